@@ -1,0 +1,1 @@
+"""Wire formats: subjects and msgspec events. Imports nothing of the engine."""

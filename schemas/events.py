@@ -1,0 +1,283 @@
+"""The events of a request's life: frozen msgspec Structs, JSON on the bus, tagged by `type`.
+
+Every event names a past fact. Every event carries `request_id`, `tenant` once known, `ts_ns`
+(wall clock at publish) and `service_ns` (the publishing stage's own time on its monotonic
+clock). New fields get defaults; a field's type never changes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from schemas.subjects import REQUEST_ID_PATTERN
+
+RequestId = Annotated[str, Meta(pattern=REQUEST_ID_PATTERN)]
+Priority = Literal["interactive", "batch"]
+Truncation = Literal["drop_oldest", "sliding_window", "summarize"]
+Role = Literal["system", "user", "assistant"]
+
+MAX_TEXT_CHARS = 1_000_000  # one message, document or prompt
+MAX_MESSAGES = 1024
+MAX_DOCUMENTS = 64
+
+
+class Message(Struct, frozen=True, forbid_unknown_fields=True):
+    role: Role
+    content: Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
+
+
+class Document(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    content: Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
+    id: str | None = None
+    title: str | None = None
+
+
+class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Sampling parameters on the wire; the engine stage turns them into engine.SamplingParams."""
+
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    max_tokens: Annotated[int, Meta(ge=1, le=8192)] = 256
+    min_tokens: Annotated[int, Meta(ge=0, le=8192)] = 0
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)] = []
+    stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=64)] = []
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    ignore_eos: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+
+
+class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a client publishes to `llm.in` (flat, OpenAI-style sampling fields).
+
+    Exactly one of `messages` or `prompt`. `api_key` is hashed by the gateway and never
+    stored in an event.
+    """
+
+    request_id: RequestId | None = None
+    api_key: str | None = None
+    model: str | None = None
+    messages: Annotated[list[Message], Meta(max_length=MAX_MESSAGES)] | None = None
+    prompt: Annotated[str, Meta(max_length=MAX_TEXT_CHARS)] | None = None
+    system: Annotated[str, Meta(max_length=MAX_TEXT_CHARS)] | None = None
+    documents: Annotated[list[Document], Meta(max_length=MAX_DOCUMENTS)] = []
+    truncation: Truncation = "drop_oldest"
+    priority: Priority | None = None
+    idempotency_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    max_tokens: Annotated[int, Meta(ge=1, le=8192)] = 256
+    min_tokens: Annotated[int, Meta(ge=0, le=8192)] = 0
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)] = []
+    stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=64)] = []
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    ignore_eos: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+
+
+class Request(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A validated submit, normalized: what travels from the gateway to the tokenizer."""
+
+    messages: list[Message]  # the conversation; a bare `prompt` becomes one user message
+    raw_prompt: bool = False  # True: `prompt` was given; tokenize it without the chat template
+    system: str | None = None
+    documents: list[Document] = []
+    model: str | None = None
+    truncation: Truncation = "drop_oldest"
+    priority: Priority | None = None
+    idempotency_key: str | None = None
+    sampling: Sampling = Sampling()
+
+
+class Usage(Struct, frozen=True, kw_only=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class ContextPart(Struct, frozen=True, kw_only=True):
+    name: str  # "system" | "history" | "documents" | "user" | "summary"
+    num_tokens: int  # tokens kept
+    num_dropped_tokens: int = 0
+    num_dropped_items: int = 0  # whole messages or documents dropped
+
+
+class TokenLogprob(Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class Event(Struct, frozen=True, kw_only=True, tag_field="type", omit_defaults=True):
+    request_id: str
+    tenant: str | None = None
+    ts_ns: int = 0
+    service_ns: int = 0
+
+
+class RequestAccepted(Event, tag="accepted"):
+    request: Request
+    key_hash: str | None = None  # "sha256:<hex>" of the API key; the key itself is never stored
+    received_ns: int = 0  # wall clock when the gateway received the submit
+
+
+class RequestAuthorized(Event, tag="authorized"):
+    request: Request
+    priority: Priority = "interactive"
+
+
+class ContextAssembled(Event, tag="assembled"):
+    request: Request  # messages now fitted to the context window
+    priority: Priority = "interactive"
+    parts: list[ContextPart] = []
+    num_prompt_tokens: int = 0
+    max_prompt_tokens: int = 0  # context window minus the output reserve
+    truncated: bool = False
+
+
+class PromptTokenized(Event, tag="tokenized"):
+    prompt_token_ids: list[int]
+    sampling: Sampling = Sampling()
+    priority: Priority = "interactive"
+    model: str | None = None
+
+
+class TokensGenerated(Event, tag="tokens"):
+    """New token ids of one engine step. `seq` counts from 0 per request, one per step.
+
+    `context_token_ids` are the tokens just before `token_ids` (enough to decode them and to
+    hold back a stop string), so any detokenize worker can handle any event on its own.
+    """
+
+    seq: int
+    token_ids: list[int]
+    context_token_ids: list[int] = []
+    stop: list[str] = []
+    logprobs: list[list[TokenLogprob]] | None = None  # per token: the sampled one first, then top-n
+
+
+class RunFinished(Event, tag="finished"):
+    """The engine stopped generating for this request (eos, stop id, length or abort)."""
+
+    finish_reason: Literal["stop", "length", "abort"]
+    usage: Usage = Usage()
+    last_seq: int | None = None  # seq of the last `tokens` event, None when none was published
+    context_token_ids: list[int] = []  # the request's last tokens, for detokenize's final flush
+    stop: list[str] = []
+    seed: int | None = None
+    queue_ns: int = 0  # waiting for admission into the engine
+    prefill_ns: int = 0  # admission to first token
+    decode_ns: int = 0  # first token to finish
+
+
+class TextGenerated(Event, tag="text"):
+    """A text delta; `seq` matches the `tokens` event it came from (the final flush is last_seq+1)."""
+
+    seq: int
+    text: str
+    stopped: bool = False  # a stop string ended generation within this delta
+
+
+class CancelRequested(Event, tag="cancel"):
+    reason: Literal["client", "disconnect", "stop_string", "timeout"] = "client"
+
+
+class RunCompleted(Event, tag="completed"):
+    """The run's text is final: the last `text` event has seq `last_seq`."""
+
+    finish_reason: Literal["stop", "length"]
+    usage: Usage = Usage()
+    last_seq: int = 0
+    seed: int | None = None
+
+
+class RunCancelled(Event, tag="cancelled"):
+    reason: str = "client"
+    usage: Usage = Usage()
+    last_seq: int | None = None
+
+
+class RequestFailed(Event, tag="failed"):
+    """Terminal: the request could not be served. `field` names the offending input, if any."""
+
+    stage: str
+    code: Literal[
+        "invalid_request",
+        "unauthorized",
+        "forbidden",
+        "rate_limited",
+        "overloaded",
+        "conflict",
+        "context_length",
+        "internal",
+    ]
+    message: str
+    field: str | None = None
+    retry_after_s: float | None = None
+    usage: Usage = Usage()
+
+
+class RunBilled(Event, tag="billed"):
+    status: Literal["completed", "cancelled", "failed"]
+    usage: Usage = Usage()
+    billing_key: str = ""
+
+
+AnyEvent = (
+    RequestAccepted
+    | RequestAuthorized
+    | ContextAssembled
+    | PromptTokenized
+    | TokensGenerated
+    | RunFinished
+    | TextGenerated
+    | CancelRequested
+    | RunCompleted
+    | RunCancelled
+    | RequestFailed
+    | RunBilled
+)
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.__struct_config__.tag: cls  # type: ignore[misc]
+    for cls in AnyEvent.__args__  # type: ignore[attr-defined]
+}
+TERMINAL_EVENTS = ("completed", "cancelled", "failed")
+
+_encoder = msgspec.json.Encoder()
+_any_decoder = msgspec.json.Decoder(AnyEvent)
+_submit_decoder = msgspec.json.Decoder(Submit)
+
+
+def encode(event: Event | Submit) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_event(data: bytes) -> AnyEvent:
+    """Any event; raises msgspec.ValidationError naming the field on bad input."""
+    return _any_decoder.decode(data)
+
+
+def decode_submit(data: bytes) -> Submit:
+    return _submit_decoder.decode(data)
+
+
+def decoder_for(*types: type[Event]) -> msgspec.json.Decoder:
+    """A typed decoder for the events one consumer expects (tagged union when several)."""
+    if len(types) == 1:
+        return msgspec.json.Decoder(types[0])
+    from functools import reduce
+    from operator import or_
+
+    return msgspec.json.Decoder(reduce(or_, types))

@@ -1,0 +1,46 @@
+"""Every NATS subject, stream, durable and KV bucket name, spelled once.
+
+Subjects never carry user text: a request id is checked against REQUEST_ID_PATTERN before it
+becomes a subject token.
+"""
+
+from __future__ import annotations
+
+SUBMIT = "llm.in"  # JSON `Submit` payloads; the gateway answers on the reply subject
+EVENT_ROOT = "llm.ev"  # llm.ev.<request_id>.<event>
+
+EVENTS_STREAM = "BRIGADE_EVENTS"  # limits retention, file storage, over llm.ev.>
+SUBMIT_STREAM = "BRIGADE_IN"  # work queue over llm.in: a submission is gone once accepted
+
+IDEMPOTENCY_BUCKET = "brigade_idempotency"
+RUNS_BUCKET = "brigade_runs"
+RATES_BUCKET = "brigade_rates"
+
+# Letters, digits, '_' and '-': no '.', '*', '>' or spaces, so an id is always one subject token.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+def event_subject(request_id: str, event: str) -> str:
+    return f"{EVENT_ROOT}.{request_id}.{event}"
+
+
+def request_events(request_id: str) -> str:
+    """Every event of one request: what a client subscribes to before it submits."""
+    return f"{EVENT_ROOT}.{request_id}.>"
+
+
+def all_events(event: str) -> str:
+    """One kind of event across requests: a stage's consumer filter."""
+    return f"{EVENT_ROOT}.*.{event}"
+
+
+ALL_EVENTS = f"{EVENT_ROOT}.>"
+
+
+def msg_id(request_id: str, event: str, seq: int | None = None) -> str:
+    """`Nats-Msg-Id` for JetStream dedupe: a retried publish is stored once."""
+    return f"{request_id}:{event}" if seq is None else f"{request_id}:{event}:{seq}"
+
+
+def durable_name(stage: str) -> str:
+    return f"brigade-{stage}"
