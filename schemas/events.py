@@ -165,6 +165,10 @@ class TokensGenerated(Event, tag="tokens"):
     context_token_ids: list[int] = []
     stop: list[str] = []
     logprobs: list[list[TokenLogprob]] | None = None  # per token: the sampled one first, then top-n
+    # Engine gauges after this step (the report's queue depth and KV usage; None when unknown).
+    num_waiting: int | None = None  # requests waiting for admission into the engine
+    num_running: int | None = None  # requests in the running batch
+    kv_usage: float | None = None  # fraction of KV cache blocks in use, 0.0 to 1.0
 
 
 class RunFinished(Event, tag="finished"):
@@ -179,6 +183,9 @@ class RunFinished(Event, tag="finished"):
     queue_ns: int = 0  # waiting for admission into the engine
     prefill_ns: int = 0  # admission to first token
     decode_ns: int = 0  # first token to finish
+    num_waiting: int | None = None  # engine gauges when this run finished, as on `tokens`
+    num_running: int | None = None
+    kv_usage: float | None = None
 
 
 class TextGenerated(Event, tag="text"):
