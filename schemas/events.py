@@ -183,6 +183,7 @@ class RunFinished(Event, tag="finished"):
     queue_ns: int = 0  # waiting for admission into the engine
     prefill_ns: int = 0  # admission to first token
     decode_ns: int = 0  # first token to finish
+    cancel_reason: str | None = None  # finish_reason "abort": the reason of the cancel event
     num_waiting: int | None = None  # engine gauges when this run finished, as on `tokens`
     num_running: int | None = None
     kv_usage: float | None = None
@@ -198,6 +199,7 @@ class TextGenerated(Event, tag="text"):
 
 class CancelRequested(Event, tag="cancel"):
     reason: Literal["client", "disconnect", "stop_string", "timeout"] = "client"
+    seq: int | None = None  # stop_string: the `tokens` seq whose text completed the stop string
 
 
 class RunCompleted(Event, tag="completed"):
