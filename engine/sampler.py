@@ -1,0 +1,151 @@
+"""Sampling as plain functions over a batch of logits, each row with its own parameters.
+
+Order: penalties -> min_tokens mask -> (greedy rows: argmax) -> temperature -> top-k -> top-p
+-> min-p -> one draw per row from the row's own seeded generator. Filters whose parameters are
+neutral for the whole batch are skipped, so plain greedy or plain temperature costs one pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """What the sampler needs from one sequence this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # None only for greedy rows
+    stop_ids_while_short: tuple[int, ...]  # eos/stop ids to mask while below min_tokens
+
+
+def apply_penalties(
+    logits: Tensor, requests: list[SamplingRequest]
+) -> Tensor:  # logits [n, vocab] float32
+    """Repetition (prompt + output tokens), presence and frequency (output tokens) penalties."""
+    n, vocab = logits.shape
+    dev = logits.device
+    rep = torch.tensor([r.params.repetition_penalty for r in requests], device=dev)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in requests], device=dev)[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in requests], device=dev)[:, None]
+    counts = torch.zeros(n, vocab + 1, device=dev)  # [n, vocab + 1]; column `vocab` is padding
+    seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=dev)
+    width_out = max(1, max(len(r.output_token_ids) for r in requests))
+    width_all = max(len(r.prompt_token_ids) + len(r.output_token_ids) for r in requests)
+    out_ids = torch.full((n, width_out), vocab, dtype=torch.int64)  # [n, width_out]
+    all_ids = torch.full((n, width_all), vocab, dtype=torch.int64)  # [n, width_all]
+    for i, r in enumerate(requests):
+        out_ids[i, : len(r.output_token_ids)] = torch.tensor(r.output_token_ids, dtype=torch.int64)
+        both = r.prompt_token_ids + r.output_token_ids
+        all_ids[i, : len(both)] = torch.tensor(both, dtype=torch.int64)
+    out_ids, all_ids = out_ids.to(dev), all_ids.to(dev)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
+    seen.scatter_(1, all_ids, True)
+    counts, seen = counts[:, :vocab], seen[:, :vocab]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
+    """Keep each row's `top_k[i]` largest logits (ties at the k-th value are kept)."""
+    k_max = int(top_k.max())
+    kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k - 1)[:, None])  # [n, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
+    """Keep the smallest set of tokens whose probability mass reaches `top_p[i]`."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # ascending
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1.0 - top_p)[:, None]
+    drop[:, -1] = False  # the most likely token always stays
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens whose probability is below `min_p[i]` times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def draw(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """One token per row: argmax(p / E) with E ~ Exp(1) is a draw from p (exponential race)."""
+    race = torch.empty_like(probs)
+    for i, gen in enumerate(generators):
+        race[i].exponential_(generator=gen)
+    return (probs / race).argmax(dim=-1)
+
+
+def top_logprobs(
+    logits: Tensor, token_ids: Tensor, requests: list[SamplingRequest]
+) -> list[list[tuple[int, float]] | None]:
+    """Per row with params.logprobs set: the sampled token's logprob, then the top-n."""
+    logprobs = logits.log_softmax(dim=-1)  # [n, vocab]
+    n_max = max((r.params.logprobs or 0) for r in requests)
+    sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    top_vals, top_ids = logprobs.topk(max(n_max, 1), dim=-1)
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    ids = token_ids.tolist()
+    result: list[list[tuple[int, float]] | None] = []
+    for i, r in enumerate(requests):
+        if r.params.logprobs is None:
+            result.append(None)
+            continue
+        n = r.params.logprobs
+        result.append(
+            [(ids[i], sampled[i])] + list(zip(top_ids[i][:n], top_vals[i][:n], strict=True))
+        )
+    return result
+
+
+def sample(
+    logits: Tensor, requests: list[SamplingRequest]
+) -> tuple[list[int], list[list[tuple[int, float]] | None] | None]:
+    """Sample one token per row of `logits` [n, vocab] (float32) with each row's own params.
+
+    Returns the token ids and, when any request asked for them, per-row logprobs computed
+    from the model's raw distribution (before penalties, temperature and filters).
+    """
+    raw = logits
+    dev = logits.device
+    params = [r.params for r in requests]
+    if any(
+        p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        for p in params
+    ):
+        logits = apply_penalties(logits, requests)
+    if any(r.stop_ids_while_short for r in requests):
+        logits = logits.clone()
+        for i, r in enumerate(requests):
+            if r.stop_ids_while_short:
+                logits[i, list(r.stop_ids_while_short)] = float("-inf")
+    token_ids = logits.argmax(dim=-1)  # [n]; the answer for greedy rows
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=dev)
+        sub = [params[i] for i in random_rows]
+        x = logits[rows] / torch.tensor([p.temperature for p in sub], device=dev)[:, None]
+        if any(p.top_k is not None for p in sub):
+            vocab = x.shape[-1]
+            top_k = [min(p.top_k or vocab, vocab) for p in sub]
+            x = apply_top_k(x, torch.tensor(top_k, device=dev))
+        if any(p.top_p < 1.0 for p in sub):
+            x = apply_top_p(x, torch.tensor([p.top_p for p in sub], device=dev))
+        if any(p.min_p > 0.0 for p in sub):
+            x = apply_min_p(x, torch.tensor([p.min_p for p in sub], device=dev))
+        drawn = draw(x.softmax(dim=-1), [requests[i].generator for i in random_rows])
+        token_ids = token_ids.index_copy(0, rows, drawn)
+    logprobs = None
+    if any(p.logprobs is not None for p in params):
+        logprobs = top_logprobs(raw, token_ids, requests)
+    return token_ids.tolist(), logprobs

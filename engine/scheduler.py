@@ -1,0 +1,190 @@
+"""Scheduler: iteration-level continuous batching in the style of vLLM v1.
+
+There is no prefill phase and no decode phase. Each sequence has `num_computed_tokens` catching
+up with its `token_ids`; a step gives every sequence some of its missing tokens within a token
+budget, which covers decodes (1 token), chunked prefills (part of a prompt) and recompute after
+preemption alike. Order is (priority, arrival): interactive before batch, FCFS within a class.
+Every running sequence is guaranteed at least one token per step, so a long prompt being
+prefilled in chunks never stalls the decodes running beside it. When blocks run out, the last
+sequence in that order is preempted by recompute: its blocks are freed and it waits again.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs}; allowed: >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs="
+                f"{self.max_num_seqs}: every running sequence needs at least one token per step; "
+                "raise max_num_batched_tokens or lower max_num_seqs"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (num_computed_tokens before the step)
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last token, so the step samples the next one."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # kept sorted by sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda s: s.sort_key)
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            reserved = len(self.running) - i - 1  # one token for each running seq after this one
+            num_new = min(seq.num_uncomputed_tokens, budget - reserved)
+            assert num_new >= 1, f"running seq {seq.request_id} got {num_new} tokens"
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running.pop()  # last in (priority, arrival) order
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self._schedule(out, seq, num_new)
+                budget -= num_new
+                i += 1
+        if out.preempted:
+            return out  # memory is tight: admit nobody new this step
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            fits = len(self.running) < self.config.max_num_seqs and self.block_manager.can_allocate(
+                seq, num_new
+            )
+            if not fits:
+                # An interactive request may take the place of a running batch request.
+                victim = max(self.running, key=lambda s: s.sort_key, default=None)
+                if victim is not None and victim.priority > seq.priority:
+                    self.running.remove(victim)
+                    budget += self._unschedule(out, victim)
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    continue
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._schedule(out, seq, num_new)
+            budget -= num_new
+        return out
+
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        self.block_manager.allocate(seq, num_new)
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+
+    def _unschedule(self, out: SchedulerOutput, seq: Sequence) -> int:
+        for k, s in enumerate(out.scheduled):
+            if s.seq is seq:
+                del out.scheduled[k]
+                return s.num_new_tokens
+        return 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: list[int],
+        logprobs: list[list[tuple[int, float]]] | None,
+        eos_token_id: int,
+    ) -> list[Sequence]:
+        """Advance computed tokens, append sampled tokens, finish stopped sequences.
+
+        `sampled_token_ids` holds one token per scheduled seq whose chunk `samples`, in order.
+        Returns the sequences that received a token this step.
+        """
+        updated = []
+        k = 0
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if not s.samples:
+                continue
+            token_id = sampled_token_ids[k]
+            if logprobs is not None and seq.params.logprobs is not None:
+                seq.logprobs.append(logprobs[k])
+            k += 1
+            seq.append_token(token_id)
+            reason = self._stop_reason(seq, token_id, eos_token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+            updated.append(seq)
+        assert k == len(sampled_token_ids), f"{len(sampled_token_ids)} tokens for {k} samplers"
+        return updated
+
+    def _stop_reason(self, seq: Sequence, token_id: int, eos_token_id: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens and (
+            (token_id == eos_token_id and not p.ignore_eos) or token_id in p.stop_token_ids
+        ):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish a sequence (stopped, too long or aborted) and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,116 @@
+import math
+
+import pytest
+import torch
+
+from engine.params import SamplingParams
+from engine.sampler import (
+    SamplingRequest,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    sample,
+)
+
+NEG = float("-inf")
+
+
+def req(prompt=(0,), output=(), seed=0, stop_while_short=(), **params):
+    p = SamplingParams(**params)
+    gen = None if p.greedy else torch.Generator().manual_seed(seed)
+    return SamplingRequest(p, list(prompt), list(output), gen, tuple(stop_while_short))
+
+
+def test_top_k_per_row():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0], [4.0, 3.0, 2.0, 1.0]])
+    out = apply_top_k(logits, torch.tensor([2, 1]))
+    assert out.tolist() == [[NEG, 4.0, 3.0, NEG], [4.0, NEG, NEG, NEG]]
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
+    out = apply_top_p(probs.log(), torch.tensor([0.75, 0.9]))
+    assert torch.isinf(out).tolist() == [[False, False, True, True], [False, False, False, True]]
+    assert out[0, :2].tolist() == pytest.approx(probs[0, :2].log().tolist())
+
+
+def test_min_p_relative_to_top_probability():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    out = apply_min_p(probs.log(), torch.tensor([0.4]))  # threshold 0.2
+    assert torch.isinf(out).tolist() == [[False, False, True, True]]
+
+
+def test_penalties_on_fixed_logits():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]])
+    r = req(prompt=(0,), output=(1, 2, 2), repetition_penalty=2.0, temperature=0.0)
+    out = apply_penalties(logits, [r])
+    assert out.tolist() == [[1.0, -4.0, 0.5, 0.5, 3.0]]
+    r = req(prompt=(0,), output=(1, 2, 2), presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits, [r])
+    # prompt token 0 untouched; 1 seen once: -0.5 - 0.25; 2 seen twice: -0.5 - 0.5
+    assert out.tolist() == [[2.0, -2.75, 0.0, 0.5, 3.0]]
+
+
+def test_greedy_is_argmax_without_division_and_masks_stop_while_short():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 2.0, 1.0]])
+    ids, lps = sample(logits, [req(temperature=0.0), req(temperature=0.0, stop_while_short=(0,))])
+    assert ids == [1, 1] and lps is None
+
+
+def test_repetition_penalty_changes_greedy_choice():
+    logits = torch.tensor([[2.0, 1.5, 0.0]])
+    assert sample(logits, [req(temperature=0.0, output=(0,))])[0] == [0]
+    assert sample(logits, [req(temperature=0.0, output=(0,), repetition_penalty=2.0)])[0] == [1]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50)
+    a = [sample(logits[:1], [req(seed=42)])[0][0] for _ in range(1)]
+    draws_alone, draws_batched = [], []
+    gen_alone = req(seed=42)
+    batch = [req(seed=42), req(seed=7), req(temperature=0.0)]
+    for _ in range(20):
+        draws_alone.append(sample(logits[:1], [gen_alone])[0][0])
+        draws_batched.append(sample(logits, batch)[0][0])
+    assert draws_alone == draws_batched and draws_alone[0] == a[0]
+    assert len(set(draws_alone)) > 3  # it is really random, not argmax
+
+
+def test_top_k_one_equals_greedy_at_any_temperature():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100)
+    ids, _ = sample(logits, [req(seed=s, temperature=1.5, top_k=1) for s in range(4)])
+    assert ids == logits.argmax(-1).tolist()
+
+
+def test_distribution_matches_softmax_on_small_vocab():
+    logits = torch.tensor([[1.0, 0.0, -1.0, 0.5]])
+    r = req(seed=123, temperature=0.7)
+    n = 4000
+    counts = [0, 0, 0, 0]
+    for _ in range(n):
+        counts[sample(logits, [r])[0][0]] += 1
+    expected = (logits[0] / 0.7).softmax(-1).tolist()
+    chi2 = sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, expected, strict=True))
+    assert chi2 < 16.3  # chi-square, 3 degrees of freedom, p = 0.001
+
+
+def test_filtered_tokens_are_never_drawn():
+    logits = torch.tensor([[1.0, 0.9, 0.8, 0.7, 0.6]])
+    r = req(seed=3, top_k=3, top_p=0.5)
+    drawn = {sample(logits, [r])[0][0] for _ in range(200)}
+    assert drawn == {0, 1}
+
+
+def test_logprobs_sampled_first_then_top_n_from_raw_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    ids, lps = sample(
+        logits, [req(temperature=0.0, logprobs=2, output=(0,), repetition_penalty=5.0)]
+    )
+    raw = logits.log_softmax(-1)[0].tolist()
+    assert ids == [1]
+    assert [t for t, _ in lps[0]] == [1, 0, 1]
+    assert [v for _, v in lps[0]] == pytest.approx([raw[1], raw[0], raw[1]])
+    assert math.isclose(sum(math.exp(v) for v in raw), 1.0, rel_tol=1e-6)
