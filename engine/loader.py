@@ -1,0 +1,165 @@
+"""load_model: a GGUF file or a Hugging Face safetensors directory -> LlamaForCausalLM.
+
+GGUF tensors are dequantized with the `gguf` package and renamed to Hugging Face's names;
+attn_q / attn_k are un-permuted from llama.cpp's interleaved RoPE layout to rotate-half.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from engine.config import ModelConfig
+from engine.model import LlamaForCausalLM
+from engine.quant import QUANTIZATIONS, Quantization
+from engine.weights import model_format, read_gguf_header, resolve_model
+
+QuantizationArg = Quantization | Literal["auto"] | None
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def resolve_quantization(
+    quantization: QuantizationArg, dtype: torch.dtype, device: torch.device
+) -> Quantization | None:
+    """ "auto" -> int4 weight-only for bf16 on the CPU (the fastest decode), else none.
+
+    fp32 and any dtype on CUDA stay unquantized, so fp32 reproduces the reference exactly.
+    """
+    if quantization == "auto":
+        return "int4" if device.type == "cpu" and dtype == torch.bfloat16 else None
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization={quantization!r}; allowed: 'auto', None, {', '.join(QUANTIZATIONS)}"
+        )
+    return quantization
+
+
+def load_model(
+    model: str,
+    *,
+    dtype: torch.dtype | str,
+    device: str | torch.device = "cpu",
+    quantization: QuantizationArg = "auto",
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Load a registered name, a .gguf path or an HF directory onto `device` in `dtype`.
+
+    quantization: None (dense weights in `dtype`), "int8" / "int4" (weight-only, CPU), or
+    "auto" (see resolve_quantization).
+    """
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}; allowed: {', '.join(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    device = torch.device(device)
+    quant = resolve_quantization(quantization, dtype, device)
+    path = resolve_model(model)
+    if model_format(path) == "hf":
+        config, weights = read_hf_dir(path)
+    else:
+        config, weights = read_gguf(path)
+    weights = {k: w.to(device) for k, w in weights.items()}
+    return LlamaForCausalLM(config, weights, dtype=dtype, device=device, quantization=quant), config
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """Config and float32 weights (HF names, HF RoPE layout) of a Llama GGUF file."""
+    import gguf
+
+    header = read_gguf_header(path)
+    config = ModelConfig.from_gguf_metadata(
+        header.metadata, has_output_weight="output.weight" in header.tensors
+    )
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    weights: dict[str, Tensor] = {}
+    for info in header.tensors.values():
+        qtype = gguf.GGMLQuantizationType(info.ggml_type)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        num_bytes = int(np.prod(info.shape)) // block * type_size
+        data = raw[info.offset : info.offset + num_bytes]
+        rows = data.reshape(*info.shape[:-1], -1)  # [..., bytes per row]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            array = rows.view(np.float32).reshape(info.shape).copy()
+        else:
+            array = gguf.quants.dequantize(rows, qtype).reshape(info.shape)
+        weights[_gguf_to_hf_name(info.name)] = torch.from_numpy(np.ascontiguousarray(array))
+    for i in range(config.num_layers):
+        attn = f"model.layers.{i}.self_attn."
+        weights[attn + "q_proj.weight"] = _unpermute(
+            weights[attn + "q_proj.weight"], config.num_heads
+        )
+        weights[attn + "k_proj.weight"] = _unpermute(
+            weights[attn + "k_proj.weight"], config.num_kv_heads
+        )
+    return config, weights
+
+
+def _gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    m = _GGUF_LAYER_RE.fullmatch(name)
+    if m is None or m.group(2) not in _GGUF_LAYER:
+        raise ValueError(f"GGUF tensor {name!r} is not part of a plain Llama model")
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.weight"
+
+
+def _unpermute(w: Tensor, num_heads: int) -> Tensor:
+    """llama.cpp interleaves each head's rotary pairs; restore HF's [first half | second half]."""
+    out_features, in_features = w.shape
+    head_dim = out_features // num_heads
+    # [H, D/2, 2, in] -> [H, 2, D/2, in]
+    w = w.reshape(num_heads, head_dim // 2, 2, in_features).transpose(1, 2)
+    return w.reshape(out_features, in_features).contiguous()
+
+
+def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """Config and weights of a Hugging Face Llama directory (config.json + *.safetensors)."""
+    from safetensors.torch import load_file
+
+    config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    weights: dict[str, Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        weights.update(load_file(file))
+    expected = _hf_weight_names(config)
+    missing = sorted(expected - weights.keys())
+    if missing:
+        raise ValueError(f"{str(path)!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in weights and weights[name].shape != (config.vocab_size, config.hidden_size):
+            raise ValueError(
+                f"{name} has shape {tuple(weights[name].shape)}, config.json says "
+                f"[{config.vocab_size}, {config.hidden_size}]"
+            )
+    return config, {k: w.float() for k, w in weights.items() if k in expected}
+
+
+def _hf_weight_names(config: ModelConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(config.num_layers):
+        names |= {f"model.layers.{i}.{v}.weight" for v in _GGUF_LAYER.values()}
+    return names

@@ -1,0 +1,135 @@
+"""A Llama-family decoder over the paged KV cache: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+Built for a fast CPU decode: q/k/v and gate/up are each one matmul, the per-step attention plan
+and RoPE tables are computed once per forward, and each layer is a short run of tensor ops.
+In fp32 without quantization it reproduces transformers' LlamaForCausalLM token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.attention import AttentionMetadata, paged_attend, prepare_attention
+from engine.config import ModelConfig
+from engine.quant import Quantization, make_linear
+
+
+def rope_tables(config: ModelConfig, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and sin per position, [max_pos, head_dim] fp32, computed as transformers does."""
+    d = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
+    )
+    pos = torch.arange(config.max_position_embeddings, device=device).float()
+    freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, d]
+    return emb.cos(), emb.sin()
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, Tensor],  # this layer's HF-named tensors, prefix stripped
+        *,
+        dtype: torch.dtype,
+        quantization: Quantization | None,
+    ) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.ffn_size, self.eps = c.intermediate_size, c.rms_norm_eps
+        self.scale = c.head_dim**-0.5
+        attn, mlp = "self_attn.", "mlp."
+        qkv = torch.cat([weights[f"{attn}{n}_proj.weight"] for n in "qkv"])  # [q+2kv, hidden]
+        gate_up = torch.cat([weights[f"{mlp}gate_proj.weight"], weights[f"{mlp}up_proj.weight"]])
+        lin = {"dtype": dtype, "quantization": quantization}
+        self.qkv_proj = make_linear(qkv, **lin)
+        self.o_proj = make_linear(weights[f"{attn}o_proj.weight"], **lin)
+        self.gate_up_proj = make_linear(gate_up, **lin)
+        self.down_proj = make_linear(weights[f"{mlp}down_proj.weight"], **lin)
+        self.input_norm = nn.Parameter(weights["input_layernorm.weight"].to(dtype), False)
+        self.post_attn_norm = nn.Parameter(
+            weights["post_attention_layernorm.weight"].to(dtype), False
+        )
+
+    def forward(
+        self,
+        x: Tensor,  # [T, hidden] residual stream
+        cos: Tensor,  # [T, 1, head_dim]
+        sin: Tensor,  # [T, 1, head_dim], sign of the first half folded in
+        kv_cache: tuple[Tensor, Tensor],
+        plan,
+    ) -> Tensor:
+        t, hd, half = x.shape[0], self.head_dim, self.head_dim // 2
+        h = F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps)
+        qkv = self.qkv_proj.forward(h)  # [T, (H + 2 KVH) * D]
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, hd)  # [T, H + KVH, D]
+        # RoPE, rotate-half form: x * cos + cat(x2, x1) * [-sin, sin]
+        qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, D], [T, KVH, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, hd)
+        o = paged_attend(q, k, v, kv_cache, plan, self.scale)  # [T, H, D]
+        x = x + self.o_proj.forward(o.reshape(t, self.q_size))
+        h = F.rms_norm(x, x.shape[-1:], self.post_attn_norm, self.eps)
+        gate_up = self.gate_up_proj.forward(h)  # [T, 2 * ffn]
+        h = F.silu(gate_up[:, : self.ffn_size]) * gate_up[:, self.ffn_size :]
+        return x + self.down_proj.forward(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, Tensor],  # HF names (model.layers.{i}.self_attn.q_proj.weight, ...)
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: Quantization | None = None,
+    ) -> None:
+        super().__init__()
+        self.config, self.dtype, self.device = config, dtype, device
+        self.quantization = quantization
+        embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
+        self.embed_tokens = nn.Parameter(embed.to(dtype), requires_grad=False)
+        self.layers = nn.ModuleList()
+        for i in range(config.num_layers):
+            prefix = f"model.layers.{i}."
+            own = {k[len(prefix) :]: w for k, w in weights.items() if k.startswith(prefix)}
+            self.layers.append(DecoderLayer(config, own, dtype=dtype, quantization=quantization))
+        self.norm = nn.Parameter(weights["model.norm.weight"].to(dtype), requires_grad=False)
+        head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = make_linear(head, dtype=dtype, quantization=quantization)
+        cos, sin = rope_tables(config, device)
+        half = config.head_dim // 2
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: Tensor,  # [T] int64
+        positions: Tensor,  # [T] int64
+        kv_caches: list[tuple[Tensor, Tensor]],  # per layer, each [blocks, block_size, KVH, D]
+        attn: AttentionMetadata,
+    ) -> Tensor:
+        """The last layer's residual stream [T, hidden]; compute_logits applies the final norm."""
+        if len(kv_caches) != self.config.num_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for {self.config.num_layers} layers")
+        plan = prepare_attention(attn, self.device)
+        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer.forward(x, cos, sin, kv_cache, plan)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[n, hidden] rows of forward()'s output -> [n, vocab] float32 logits."""
+        h = F.rms_norm(hidden, hidden.shape[-1:], self.norm, self.config.rms_norm_eps)
+        return self.lm_head.forward(h).float()

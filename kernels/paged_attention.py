@@ -1,0 +1,267 @@
+"""Paged attention: queries of many sequences against K/V stored in fixed-size cache blocks.
+
+Token t of a sequence attends to that sequence's first `ctx_len[t]` cached keys (causal: a query
+at context position p sees keys 0..p). Three parts: the Triton kernel (GPU, or CPU under
+TRITON_INTERPRET=1), its checked wrapper, and the pure-torch reference the CPU engine runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+
+
+def token_layout(query_lens: list[int], seq_lens: list[int], device: torch.device) -> tuple:
+    """Per-token sequence index and number of keys attended: ([T] int32, [T] int32)."""
+    seq_idx, ctx_len = [], []
+    for i, (ql, sl) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        seq_idx += [i] * ql
+        ctx_len += range(sl - ql + 1, sl + 1)
+    as_tensor = torch.tensor
+    return (
+        as_tensor(seq_idx, dtype=torch.int32, device=device),
+        as_tensor(ctx_len, dtype=torch.int32, device=device),
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        out_ptr,  # [T, H, D]
+        q_ptr,  # [T, H, D]
+        k_cache_ptr,  # [num_blocks, block_size, KVH, D]
+        v_cache_ptr,
+        block_tables_ptr,  # [S, max_blocks] int32
+        token_seq_idx_ptr,  # [T] int32
+        token_ctx_len_ptr,  # [T] int32
+        scale,
+        stride_ot,
+        stride_oh,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_bt,
+        block_size,
+        GROUP: tl.constexpr,  # query heads per KV head
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,  # block_size rounded up to a power of two
+    ):
+        # One program per (token, kv head): the GROUP query heads sharing that KV head, with an
+        # online softmax over the sequence's cache blocks (fp32 accumulation).
+        tok = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq = tl.load(token_seq_idx_ptr + tok)
+        ctx_len = tl.load(token_ctx_len_ptr + tok)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        heads = kvh * GROUP + offs_g
+        q = tl.load(
+            q_ptr + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [GROUP_PAD, HEAD_DIM_PAD]
+        q = q * scale
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        for start in range(0, ctx_len, block_size):
+            block = tl.load(block_tables_ptr + seq * stride_bt + start // block_size).to(tl.int64)
+            valid = (offs_n < block_size) & (start + offs_n < ctx_len)
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(
+                k_cache_ptr
+                + block * stride_kb
+                + offs_n[:, None] * stride_ks
+                + kvh * stride_kh
+                + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_N, HEAD_DIM_PAD]
+            v = tl.load(
+                v_cache_ptr
+                + block * stride_vb
+                + offs_n[:, None] * stride_vs
+                + kvh * stride_vh
+                + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_N]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+
+
+def paged_attention(
+    q: Tensor,  # [T, H, D]
+    k_cache: Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: Tensor,
+    block_tables: Tensor,  # [S, max_blocks] int32, padding -1
+    token_seq_idx: Tensor,  # [T] int32
+    token_ctx_len: Tensor,  # [T] int32, each >= 1
+    scale: float,
+) -> Tensor:
+    """Launch the Triton kernel after checking shapes, strides, dtypes and devices."""
+    if triton is None:
+        raise RuntimeError("triton is not installed; use paged_attention_reference on this host")
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, kd = k_cache.shape
+    if v_cache.shape != k_cache.shape or kd != head_dim:
+        raise ValueError(f"cache shapes K {tuple(k_cache.shape)} V {tuple(v_cache.shape)} vs q")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    tensors = (q, k_cache, v_cache, block_tables, token_seq_idx, token_ctx_len)
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"tensors on different devices: {[str(t.device) for t in tensors]}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim, strides {t.stride()}")
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must be a row-contiguous int32 tensor")
+    if token_seq_idx.shape != (num_tokens,) or token_ctx_len.shape != (num_tokens,):
+        raise ValueError(f"token_seq_idx/token_ctx_len must be [{num_tokens}]")
+    out = torch.empty_like(q)
+    group = num_heads // num_kv_heads
+    _paged_attention_kernel[(num_tokens, num_kv_heads)](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        token_seq_idx,
+        token_ctx_len,
+        scale,
+        out.stride(0),
+        out.stride(1),
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        block_size,
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_N=triton.next_power_of_2(block_size),
+    )
+    return out
+
+
+@dataclass
+class _PrefillSeq:
+    start: int  # rows [start, end) of the step's tokens
+    end: int
+    blocks: Tensor | None  # [num_blocks] int64; None when the step holds the whole sequence
+    mask: Tensor | None  # [q_len, ctx_len] bool, True = attend
+
+
+@dataclass
+class ReferencePlan:
+    """What the reference needs per step, built once and shared by every layer."""
+
+    decode_rows: Tensor | None  # [nd] int64 rows of single-token seqs; None: all rows
+    decode_blocks: Tensor | None  # [nd, nb] int64 block ids (padding -> 0)
+    decode_mask: Tensor | None  # [nd, 1, 1, nb * block_size] bool, True = attend
+    prefills: list[_PrefillSeq]
+
+
+def build_reference_plan(
+    block_tables: Tensor, query_lens: list[int], seq_lens: list[int], block_size: int
+) -> ReferencePlan:
+    device = block_tables.device
+    tables = block_tables.to(torch.int64).clamp_min(0)  # [S, max_blocks]
+    decode_seqs, decode_rows, prefills, row = [], [], [], 0
+    for i, (ql, sl) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        if ql == 1 and sl > 1:
+            decode_seqs.append(i)
+            decode_rows.append(row)
+        elif ql == sl:  # nothing cached before this step: plain causal attention
+            prefills.append(_PrefillSeq(row, row + ql, None, None))
+        else:
+            nb = -(-sl // block_size)
+            pos = torch.arange(sl, device=device)
+            mask = pos[None, :] <= (pos[sl - ql :, None])  # [ql, sl]
+            prefills.append(_PrefillSeq(row, row + ql, tables[i, :nb], mask))
+        row += ql
+    if not decode_seqs:
+        return ReferencePlan(None, None, None, prefills)
+    lens = torch.tensor([seq_lens[i] for i in decode_seqs], device=device)
+    nb = -(-int(lens.max()) // block_size)
+    blocks = tables[decode_seqs, :nb]  # [nd, nb]
+    mask = torch.arange(nb * block_size, device=device)[None, :] < lens[:, None]
+    all_rows = len(decode_rows) == row
+    rows = None if all_rows else torch.tensor(decode_rows, device=device)
+    return ReferencePlan(rows, blocks, mask[:, None, None, :], prefills)
+
+
+def paged_attention_reference(
+    q: Tensor,  # [T, H, D]
+    k: Tensor,  # [T, KVH, D] this step's keys (already written to the cache)
+    v: Tensor,
+    k_cache: Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: Tensor,
+    plan: ReferencePlan,
+    scale: float,
+) -> Tensor:
+    """Gather only the blocks each sequence uses; decodes batched, prefills one by one."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q) if plan.prefills else None
+    if plan.decode_blocks is not None:
+        qd = q if plan.decode_rows is None else q[plan.decode_rows]
+        nd = qd.shape[0]
+        kd = k_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)  # [nd, KVH, L, D]
+        vd = v_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)
+        qd = qd.view(nd, num_kv_heads, group, head_dim)  # a KV head's queries share its keys
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale)
+        od = od.reshape(nd, num_heads, head_dim)
+        if out is None:
+            return od
+        out[plan.decode_rows] = od
+    for p in plan.prefills:
+        qp = q[p.start : p.end].transpose(0, 1)  # [H, ql, D]
+        if p.blocks is None:
+            kp, vp = k[p.start : p.end].transpose(0, 1), v[p.start : p.end].transpose(0, 1)
+        else:
+            ctx_len = p.mask.shape[1]
+            kp = k_cache[p.blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)  # [KVH, L, D]
+            vp = v_cache[p.blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)
+        op = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
+        )
+        out[p.start : p.end] = op.transpose(0, 1)
+    return out
