@@ -78,7 +78,7 @@ def row_from_message(stream_seq: int, stored_ns: int, subject: str, data: bytes)
 
 def hour_of(row: dict) -> str:
     """The Parquet partition of a row: the UTC hour in which the log stored it."""
-    return time.strftime("%Y-%m-%dT%H", time.gmtime(row["stored_ns"] / 1e9))
+    return time.strftime("%Y-%m-%dT%H", time.gmtime(row["stored_ns"] // 1_000_000_000))
 
 
 def write_ndjson(rows: list[dict], path: Path) -> None:
