@@ -1,0 +1,231 @@
+"""Engine: the synchronous core. add_request, step() -> outputs, abort_request; no I/O.
+
+One step is: schedule -> run the model on the scheduled tokens -> sample -> update state.
+Given each request's seed the outputs are deterministic, whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.params import SamplingParams
+from engine.sampler import SamplingRequest, sample
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence
+from engine.tokenizer import load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # None -> DEFAULT_KV_CACHE_BYTES
+    num_kv_blocks: int | None = None  # overrides the memory budget (tests, benchmarks)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None -> the model's context length
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype={self.dtype!r}; allowed: {sorted(DTYPES)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)}; allowed: >= 1")
+        for name in ("kv_cache_memory_bytes", "num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"EngineConfig.{name}={value}; allowed: None or >= 1")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float  # fraction of blocks in use, 0..1
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" when finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+    seed: int
+    new_logprobs: list[list[tuple[int, float]]] | None  # per new token: sampled, then top-n
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.model, self.model_config = load_model(
+            config.model, dtype=self.dtype, device=self.device
+        )
+        self.tokenizer = load_tokenizer(config.model)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
+            self.model_config,
+            block_size=config.block_size,
+            dtype=self.dtype,
+            budget_bytes=config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES,
+        )
+        self.kv_cache = KVCache(
+            self.model_config,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
+        self._seqs: dict[str, Sequence] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._aborted: list[StepOutput] = []  # reported by the next step()
+        self._arrivals = itertools.count()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> int:
+        """Queue a request; returns the seed it samples with. ValueError if it can never run."""
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids hold ids outside [0, {vocab}): {bad[:5]}")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{total} > max_model_len {self.max_model_len}; shorten the prompt or lower "
+                "max_tokens"
+            )
+        need = self.block_manager.num_blocks_for(total)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens needs {need} KV blocks but the cache has "
+                f"{self.block_manager.num_blocks}; raise kv_cache_memory_bytes or num_kv_blocks"
+            )
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            seed=seed,
+            arrival=next(self._arrivals),
+            priority=priority,
+        )
+        self._seqs[request_id] = seq
+        self._generators[request_id] = torch.Generator(self.device).manual_seed(seed)
+        self.scheduler.add(seq)
+        return seed
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return outputs
+        logits = self.runner.run(batch.scheduled)  # [num_sampling, vocab] or None
+        token_ids, logprobs = [], None
+        if logits is not None:
+            requests = [self._sampling_request(s.seq) for s in batch.scheduled if s.samples]
+            token_ids, logprobs = sample(logits, requests)
+        updated = self.scheduler.update(batch, token_ids, logprobs, self.model_config.eos_token_id)
+        return outputs + [self._output(seq) for seq in updated]
+
+    def _sampling_request(self, seq: Sequence) -> SamplingRequest:
+        p = seq.params
+        stop_ids: tuple[int, ...] = ()
+        if seq.num_output_tokens < p.min_tokens:
+            eos = () if p.ignore_eos else (self.model_config.eos_token_id,)
+            stop_ids = eos + p.stop_token_ids
+        penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        return SamplingRequest(
+            params=p,
+            prompt_token_ids=seq.prompt_token_ids if penalized else [],
+            output_token_ids=seq.output_token_ids if penalized else [],
+            generator=self._generators[seq.request_id],
+            stop_ids_while_short=stop_ids,
+        )
+
+    def _output(self, seq: Sequence) -> StepOutput:
+        if seq.is_finished:
+            del self._seqs[seq.request_id]
+            del self._generators[seq.request_id]
+        want_logprobs = seq.params.logprobs is not None and seq.logprobs
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=[seq.token_ids[-1]],
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            seed=seq.seed,
+            new_logprobs=[seq.logprobs[-1]] if want_logprobs else None,
+        )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks now; its final output comes with the next step."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        del self._generators[request_id]
+        self.scheduler.finish(seq, "abort")
+        self._aborted.append(
+            StepOutput(
+                request_id=request_id,
+                new_token_ids=[],
+                finished=True,
+                finish_reason="abort",
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens,
+                seed=seq.seed,
+                new_logprobs=None,
+            )
+        )
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            kv_usage=bm.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

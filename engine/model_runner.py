@@ -1,0 +1,85 @@
+"""ModelRunner: turns a scheduled batch into model inputs, runs the forward, returns logits.
+
+The batch is the scheduled sequences' new tokens concatenated in order (no padding). Inputs are
+built as Python lists and copied to the device once per tensor; logits are computed only for
+the last token of each sequence that samples this step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from engine.attention import AttentionMetadata
+from engine.block_manager import BlockManager
+from engine.kv_cache import KVCache
+from engine.model import LlamaForCausalLM
+from engine.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        block_manager: BlockManager,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_manager = block_manager
+        self.device = device
+
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def prepare(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        """-> input_ids [num_tokens], positions [num_tokens], metadata, logits_indices [n]."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        for s in scheduled:
+            end = s.start + s.num_new_tokens
+            input_ids += s.seq.token_ids[s.start : end]
+            positions += range(s.start, end)
+            slot_mapping += self.block_manager.slot_mapping(s.seq, s.start, end)
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            if s.samples:
+                logits_indices.append(len(input_ids) - 1)
+        width = max(len(s.seq.block_table) for s in scheduled)
+        # padding entries of a block table are -1 (never read: seq_lens bounds every lookup)
+        tables = [s.seq.block_table + [-1] * (width - len(s.seq.block_table)) for s in scheduled]
+        query_start_loc = [0]
+        for n in query_lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+        attn = AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping, torch.int64),  # [num_tokens]
+            query_start_loc=self._tensor(query_start_loc, torch.int32),  # [num_seqs + 1]
+            seq_lens=self._tensor(seq_lens, torch.int32),  # [num_seqs]
+            block_tables=self._tensor(tables, torch.int32),  # [num_seqs, width]
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_manager.block_size,
+        )
+        return (
+            self._tensor(input_ids, torch.int64),
+            self._tensor(positions, torch.int64),
+            attn,
+            self._tensor(logits_indices, torch.int64),
+        )
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> Tensor | None:
+        """Forward the batch; -> logits [num_sampling_seqs, vocab] float32, or None if none."""
+        input_ids, positions, attn, logits_indices = self.prepare(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, attn)
+        if logits_indices.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden[logits_indices])  # [n, vocab]

@@ -1,0 +1,173 @@
+"""Engine: add_request / step / abort on a tiny random Llama and on the real SmolLM2 (fp32)."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from tests.engine.tiny_llama import write_tiny_llama
+
+PROMPT_LENS = [3, 17, 40, 9, 25, 60, 5, 33]  # eight requests of different lengths
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def tiny_engine(model: Path, **kw) -> Engine:
+    kw.setdefault("num_kv_blocks", 256)
+    return Engine(EngineConfig(model=str(model), dtype="float32", block_size=4, **kw))
+
+
+def prompts(lens, vocab):
+    return [[(7 * i + 13 * n) % (vocab - 3) + 3 for i in range(n)] for n in lens]
+
+
+def run_all(engine, token_lists, params, ids=None):
+    """Add every prompt at once, step to completion; -> output ids per request, steps taken."""
+    ids = ids or [f"r{i}" for i in range(len(token_lists))]
+    for rid, toks in zip(ids, token_lists, strict=True):
+        engine.add_request(rid, toks, params)
+    out = {rid: [] for rid in ids}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        steps += 1
+    return [out[rid] for rid in ids], steps
+
+
+def alone(engine, token_lists, params):
+    return [run_all(engine, [t], params, [f"alone{i}"])[0][0] for i, t in enumerate(token_lists)]
+
+
+def test_greedy_same_alone_batched_chunked_and_preempted(tiny_dir):
+    engine = tiny_engine(tiny_dir)
+    toks = prompts(PROMPT_LENS, engine.model_config.vocab_size)
+    expected = alone(engine, toks, GREEDY)
+    assert all(len(e) == 12 for e in expected) and len({tuple(e) for e in expected}) == 8
+
+    batched, _ = run_all(engine, toks, GREEDY)
+    assert batched == expected
+
+    chunked = tiny_engine(tiny_dir, max_num_batched_tokens=16, max_num_seqs=8)
+    out, steps = run_all(chunked, toks, GREEDY)
+    assert out == expected
+    assert steps >= sum(PROMPT_LENS) // 16  # the prompts really were prefilled in chunks
+
+    # 20 blocks x 4 tokens = 80 slots for 192 prompt tokens + 96 generated: preemption is certain
+    tight = tiny_engine(tiny_dir, num_kv_blocks=20, max_num_batched_tokens=16, max_num_seqs=8)
+    out, _ = run_all(tight, toks, GREEDY)
+    assert out == expected
+    assert tight.stats().num_preemptions > 0
+    assert tight.stats().num_free_blocks == 20
+
+
+def test_decodes_get_a_token_every_step_while_a_long_prompt_prefills(tiny_dir):
+    engine = tiny_engine(tiny_dir, max_num_batched_tokens=8, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine.add_request("short", [5, 6, 7], params, priority=1)
+    assert [o.request_id for o in engine.step()] == ["short"]
+    # an interactive 80-token prompt runs ahead of the batch decode, but the decode keeps
+    # one token of the 8-token budget every step: the prompt takes 7 per step, 12 steps
+    engine.add_request("long", list(range(3, 83)), params, priority=0)
+    per_step = [[o.request_id for o in engine.step()] for _ in range(12)]
+    assert all("short" in ids for ids in per_step)
+    assert [i for i, ids in enumerate(per_step) if "long" in ids] == [11]
+
+
+def test_seeded_sampling_reproducible_alone_and_batched_and_seed_assigned(tiny_dir):
+    engine = tiny_engine(tiny_dir)
+    toks = prompts(PROMPT_LENS, engine.model_config.vocab_size)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    expected = alone(engine, toks, params)
+    batched, _ = run_all(engine, toks, params)
+    assert batched == expected
+    unseeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    seed = engine.add_request("x", toks[0], unseeded)
+    got = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        assert all(o.seed == seed for o in outs)
+        got += [t for o in outs for t in o.new_token_ids]
+    again = run_all(engine, [toks[0]], dataclasses.replace(unseeded, seed=seed))[0][0]
+    assert got == again
+
+
+def test_abort_frees_blocks_at_once_and_reports_next_step(tiny_dir):
+    engine = tiny_engine(tiny_dir, num_kv_blocks=32)
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    engine.add_request("a", list(range(3, 13)), params)  # 10 tokens -> 3 blocks
+    engine.add_request("b", list(range(3, 8)), params)  # 5 tokens -> 2 blocks
+    engine.step()
+    engine.step()  # a: 12 tokens (3 blocks), b: 7 tokens (2 blocks)
+    assert engine.stats().num_free_blocks == 27
+    assert engine.abort_request("a") is True
+    assert engine.stats().num_free_blocks == 30 and engine.stats().num_running == 1
+    assert engine.abort_request("a") is False and engine.abort_request("nope") is False
+    outs = engine.step()
+    assert (outs[0].request_id, outs[0].finished, outs[0].finish_reason) == ("a", True, "abort")
+    assert outs[0].num_output_tokens == 2 and [o.request_id for o in outs[1:]] == ["b"]
+    engine.abort_request("b")
+    assert engine.stats().num_free_blocks == 32
+    assert [o.finish_reason for o in engine.step()] == ["abort"]
+    assert not engine.has_unfinished_requests()
+
+
+def test_add_request_rejects_what_can_never_run(tiny_dir):
+    engine = tiny_engine(tiny_dir, num_kv_blocks=8, max_model_len=64)
+    with pytest.raises(ValueError, match=r"= 70 > max_model_len 64"):
+        engine.add_request("a", [5] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match=r"needs 10 KV blocks but the cache has 8"):
+        engine.add_request("a", [5] * 30, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match=r"outside \[0, 259\): \[300\]"):
+        engine.add_request("a", [5, 300], SamplingParams())
+    with pytest.raises(ValueError, match="prompt has no tokens"):
+        engine.add_request("a", [], SamplingParams())
+    engine.add_request("a", [5], SamplingParams())
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.add_request("a", [5], SamplingParams())
+
+
+def test_logprobs_and_stats(tiny_dir):
+    engine = tiny_engine(tiny_dir, num_kv_blocks=16)
+    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2, logprobs=3))
+    out = engine.step()[0]
+    (lp,) = out.new_logprobs
+    assert lp[0][0] == out.new_token_ids[0] == lp[1][0]  # greedy: the sampled token is the top-1
+    assert len(lp) == 4 and lp[1][1] >= lp[2][1] >= lp[3][1]
+    s = engine.stats()
+    assert (s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks) == (1, 0, 15, 16)
+    assert s.kv_usage == pytest.approx(1 / 16)
+
+
+def test_smollm2_greedy_same_alone_and_batched_with_chunks_and_preemption():
+    engine = Engine(
+        EngineConfig(
+            dtype="float32",
+            block_size=16,
+            num_kv_blocks=10,
+            max_num_batched_tokens=32,
+            max_num_seqs=8,
+        )
+    )
+    tok = engine.tokenizer
+    texts = [
+        "The capital of France is",
+        "Write a haiku about the sea. It goes",
+        "1, 2, 3, 4,",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village at the edge of a great forest, there lived",
+        "The three primary colors are",
+        "Hello",
+        "A list of fruits: apple, banana,",
+    ]
+    toks = [tok.encode(t) for t in texts]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    batched, _ = run_all(engine, toks, params)
+    assert engine.stats().num_preemptions > 0  # 160 KV slots for ~90 prompt + 64 new tokens
+    assert batched == alone(engine, toks, params)
+    assert tok.decode(batched[0]).strip().startswith("Paris")
