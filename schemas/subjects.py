@@ -8,6 +8,9 @@ from __future__ import annotations
 
 SUBMIT = "llm.in"  # JSON `Submit` payloads; the gateway answers on the reply subject
 EVENT_ROOT = "llm.ev"  # llm.ev.<request_id>.<event>
+# JetStream keeps no reply subject on a stored message (a core request to llm.in gets the stream's
+# PubAck), so a submitter that wants the gateway's answer names its inbox in this header.
+REPLY_HEADER = "Brigade-Reply-To"
 
 EVENTS_STREAM = "BRIGADE_EVENTS"  # limits retention, file storage, over llm.ev.>
 SUBMIT_STREAM = "BRIGADE_IN"  # work queue over llm.in: a submission is gone once accepted
