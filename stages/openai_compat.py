@@ -28,6 +28,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     "rate_limited": 429,
     "internal": 500,
     "overloaded": 503,
+    "timeout": 504,
 }
 ERROR_TYPE = {
     400: "invalid_request_error",

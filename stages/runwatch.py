@@ -1,0 +1,154 @@
+"""Follow one run's events and yield its text deltas in `seq` order, then its terminal event.
+
+Live: a plain subscription on `llm.ev.<id>.>` made before the submit. Resume: an ordered
+consumer over the log from the start (then live), skipping seqs <= `starting_after` (-1: all). Gaps (a
+slow-consumer drop, a worker racing the terminal event) are filled from the log; every ordered
+consumer is unsubscribed when done, so nothing is left behind per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from schemas import subjects
+from schemas.events import (
+    AnyEvent,
+    RequestFailed,
+    RunCancelled,
+    RunCompleted,
+    TextGenerated,
+    decode_event,
+)
+from stages.reorder import ReorderBuffer
+
+Terminal = RunCompleted | RunCancelled | RequestFailed
+
+
+class RunWatch:
+    def __init__(
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        request_id: str,
+        *,
+        starting_after: int | None = None,
+        idle_timeout_s: float = 300.0,
+        gap_timeout_s: float = 2.0,
+        on_event: Callable[[AnyEvent, int], None] | None = None,
+    ) -> None:
+        self.nc, self.js, self.request_id = nc, js, request_id
+        start = 0 if starting_after is None else starting_after + 1
+        self.buffer = ReorderBuffer[TextGenerated](start=start)
+        self.idle_timeout_s = idle_timeout_s
+        self.gap_timeout_s = gap_timeout_s
+        self.on_event = on_event
+        self.terminal: Terminal | None = None
+        self.num_gap_fills = 0
+        self._replay = starting_after is not None
+        self._sub = None
+
+    async def start(self) -> None:
+        """Subscribe; call before submitting, so no event can be missed."""
+        subject = subjects.request_events(self.request_id)
+        if self._replay:
+            self._sub = await self.js.subscribe(
+                subject, stream=subjects.EVENTS_STREAM, ordered_consumer=True
+            )
+        else:
+            self._sub = await self.nc.subscribe(subject)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            try:
+                await sub.unsubscribe()
+            except (nats.errors.Error, nats.errors.ConnectionClosedError):
+                pass
+
+    async def __aenter__(self) -> RunWatch:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _accept(self, data: bytes) -> list[TextGenerated]:
+        try:
+            event = decode_event(data)
+        except msgspec.DecodeError:
+            return []  # not ours to judge: the log keeps it, the stage that owns it fails it
+        if self.on_event is not None:
+            self.on_event(event, time.monotonic_ns())
+        if isinstance(event, TextGenerated):
+            return self.buffer.push(event.seq, event)
+        if isinstance(event, Terminal) and self.terminal is None:
+            self.terminal = event
+        return []
+
+    def _last_seq(self) -> int | None:
+        term = self.terminal
+        if isinstance(term, RequestFailed):
+            return None  # nothing more will come; deliver what is contiguous
+        return term.last_seq if term is not None else None
+
+    def _done(self) -> bool:
+        return self.terminal is not None and self.buffer.complete(self._last_seq())
+
+    async def deltas(self) -> AsyncIterator[TextGenerated]:
+        """Text deltas in order; afterwards `self.terminal` holds the run's end."""
+        assert self._sub is not None, "call start() before deltas()"
+        deadline: float | None = None
+        next_fill = 0.0
+        while not self._done():
+            if self.terminal is not None:
+                now = time.monotonic()
+                if deadline is None:  # give racing deltas a moment to arrive live first
+                    deadline, next_fill = now + self.gap_timeout_s, now + 0.2
+                if now >= next_fill:
+                    next_fill = now + 0.5
+                    for delta in await self._fill_from_log():
+                        yield delta
+                    if self._done():
+                        break
+                if now > deadline:
+                    missing = self.buffer.missing(self._last_seq())
+                    raise RuntimeError(
+                        f"run {self.request_id}: text seqs {missing[:8]} never reached the log "
+                        f"within {self.gap_timeout_s}s of its end"
+                    )
+            timeout = 0.05 if self.terminal is not None else self.idle_timeout_s
+            try:
+                msg = await self._sub.next_msg(timeout=timeout)
+            except nats.errors.TimeoutError:
+                if self.terminal is None:
+                    raise TimeoutError(
+                        f"run {self.request_id}: no event for {self.idle_timeout_s}s"
+                    ) from None
+                continue
+            for delta in self._accept(msg.data):
+                yield delta
+
+    async def _fill_from_log(self) -> list[TextGenerated]:
+        """Read this run's stored text deltas (an ordered consumer, then unsubscribed)."""
+        self.num_gap_fills += 1
+        subject = subjects.event_subject(self.request_id, "text")
+        sub = await self.js.subscribe(subject, stream=subjects.EVENTS_STREAM, ordered_consumer=True)
+        ready: list[TextGenerated] = []
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=0.5)
+                except nats.errors.TimeoutError:
+                    break  # nothing stored for this subject
+                ready.extend(self._accept(msg.data))
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return ready
