@@ -1,0 +1,455 @@
+"""The edge: the client's door (OpenAI-compatible HTTP + SSE, a Realtime-style websocket).
+
+It checks the key against the tenants file for a fast 401/403 (the auth stage stays the
+authority), chooses the request id, subscribes to the run's events before it submits, and
+delivers text in `seq` order; a client that leaves cancels its run. A tenant only ever sees,
+resumes or cancels its own runs; a key never appears in an event, a log line or an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import msgspec
+import uvicorn
+from nats.js.errors import NotFoundError
+from starlette.applications import Starlette
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+
+from schemas import subjects
+from schemas.events import (
+    CancelRequested,
+    RequestFailed,
+    RunCancelled,
+    RunCompleted,
+    Submit,
+    TextGenerated,
+    decode_event,
+    encode,
+)
+from stages.bus import MSG_ID_HEADER, Bus
+from stages.edge_keys import Caller, KeyRing
+from stages.edge_metrics import EdgeMetrics
+from stages.idempotency import IdempotencyConflict, IdempotencyStore, body_hash
+from stages.openai_compat import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    chat_chunk,
+    completion_chunk,
+    decode_body,
+    error_body,
+    full_response,
+    to_submit,
+    usage_chunk,
+)
+from stages.runstate import RunStates
+from stages.runwatch import RunWatch
+
+MAX_AUTH_HEADER = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class EdgeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 1 << 20  # NATS' default max payload: a bigger submit cannot travel
+    max_header_bytes: int = 16 << 10
+    max_frame_bytes: int = 1 << 20
+    idle_timeout_s: float = 300.0  # no event from the pipeline for this long -> 504
+
+    @classmethod
+    def from_env(cls) -> EdgeConfig:
+        env = os.environ
+        return cls(
+            host=env.get("BRIGADE_EDGE_HOST", "127.0.0.1"),
+            port=int(env.get("BRIGADE_EDGE_PORT", "8080")),
+            max_body_bytes=int(env.get("BRIGADE_EDGE_MAX_BODY", str(1 << 20))),
+        )
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def failure_error(event: RequestFailed) -> RequestError:
+    return RequestError(event.code, event.message, event.field, event.retry_after_s)
+
+
+def error_response(err: RequestError) -> JSONResponse:
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(err.retry_after_s + 0.499)))
+    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+
+def check_headers(conn: HTTPConnection, config: EdgeConfig) -> None:
+    raw = conn.scope.get("headers", [])
+    size = sum(len(k) + len(v) + 4 for k, v in raw)
+    if size > config.max_header_bytes:
+        raise RequestError(
+            "headers_too_large",
+            f"request headers are {size} bytes; at most {config.max_header_bytes} "
+            "(BRIGADE_EDGE_MAX_HEADERS) are accepted",
+        )
+
+
+class Edge:
+    def __init__(self, bus: Bus, config: EdgeConfig, keys: KeyRing) -> None:
+        self.bus, self.config, self.keys = bus, config, keys
+        self.metrics = EdgeMetrics()
+        self.idempotency: IdempotencyStore | None = None
+        self.runs: RunStates | None = None
+
+    async def start(self) -> None:
+        await self.bus.ensure_streams()
+        await self.bus.ensure_kv()
+        self.idempotency = IdempotencyStore(await self.bus.kv(subjects.IDEMPOTENCY_BUCKET))
+        self.runs = RunStates(await self.bus.kv(subjects.RUNS_BUCKET))
+
+    # ---- identity ----
+
+    def authenticate(self, conn: HTTPConnection) -> Caller:
+        check_headers(conn, self.config)
+        header = conn.headers.get("authorization")
+        if header is None:
+            raise RequestError("unauthorized", "missing `Authorization: Bearer <key>` header")
+        if len(header) > MAX_AUTH_HEADER:
+            raise RequestError(
+                "unauthorized", f"Authorization header longer than {MAX_AUTH_HEADER} characters"
+            )
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise RequestError("unauthorized", "Authorization must be `Bearer <key>`")
+        caller = self.keys.lookup(key.strip())
+        if caller is None:
+            raise RequestError("unauthorized", "invalid API key")
+        return caller
+
+    async def run_tenant(self, request_id: str) -> str | None:
+        """The tenant that owns a run, from the log (the `authorized` event), else None."""
+        subject = subjects.event_subject(request_id, "authorized")
+        try:
+            msg = await self.bus.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+        except NotFoundError:
+            return None
+        if not msg.data:
+            return None
+        return decode_event(msg.data).tenant
+
+    async def owned(self, caller: Caller, request_id: str) -> None:
+        """404 for a run that does not exist and for another tenant's run alike."""
+        if await self.run_tenant(request_id) != caller.tenant:
+            raise RequestError("not_found", f"no run {request_id} for this key", "request_id")
+
+    # ---- runs ----
+
+    def _watch(self, request_id: str, starting_after: int | None) -> RunWatch:
+        return RunWatch(
+            self.bus.nc,
+            self.bus.js,
+            request_id,
+            starting_after=starting_after,
+            idle_timeout_s=self.config.idle_timeout_s,
+            on_event=lambda event, _ns: self.metrics.observe_event(event),
+        )
+
+    async def open_run(self, caller: Caller, submit: Submit) -> RunWatch:
+        """Subscribe, then submit; with an idempotency key possibly re-attach to its first run."""
+        caller.check_model(submit.model)
+        request_id = submit.request_id or new_request_id()
+        submit = msgspec.structs.replace(submit, request_id=request_id, api_key=caller.api_key)
+        if submit.idempotency_key is not None:
+            assert self.idempotency is not None
+            try:
+                claim = await self.idempotency.claim(
+                    caller.tenant, submit.idempotency_key, body_hash(submit), request_id
+                )
+            except IdempotencyConflict as err:
+                raise RequestError("conflict", str(err), "idempotency_key") from None
+            if not claim.new:
+                watch = self._watch(claim.request_id, starting_after=-1)
+                await watch.start()
+                return watch
+        watch = self._watch(request_id, starting_after=None)
+        await watch.start()
+        await self.bus.nc.flush()
+        headers = {MSG_ID_HEADER: f"{request_id}:submit"}
+        await self.bus.js.publish(subjects.SUBMIT, encode(submit), headers=headers)
+        return watch
+
+    async def attach(self, caller: Caller, request_id: str, starting_after: int) -> RunWatch:
+        await self.owned(caller, request_id)
+        watch = self._watch(request_id, starting_after=starting_after)
+        await watch.start()
+        return watch
+
+    async def cancel(self, caller: Caller, request_id: str, reason: str = "client") -> None:
+        event = CancelRequested(request_id=request_id, tenant=caller.tenant, reason=reason)
+        with anyio.CancelScope(shield=True):
+            await self.bus.publish(event)
+
+    async def deltas(self, watch: RunWatch) -> AsyncIterator[TextGenerated]:
+        """The run's deltas with the edge's latency metrics (TTFT, ITL, e2e)."""
+        started = last = time.monotonic()
+        first = True
+        self.metrics.open_streams.inc()
+        try:
+            async for delta in watch.deltas():
+                now = time.monotonic()
+                (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
+                first, last = False, now
+                yield delta
+            self.metrics.e2e.observe(time.monotonic() - started)
+        finally:
+            self.metrics.open_streams.dec()
+
+
+def sse(body: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(
+            "too_large", f"body is {declared} bytes; at most {limit} (BRIGADE_EDGE_MAX_BODY)"
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError("too_large", f"body exceeds {limit} bytes (BRIGADE_EDGE_MAX_BODY)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class OpenAIRoutes:
+    """POST /v1/chat/completions and /v1/completions, streamed (SSE) or not."""
+
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest)
+
+    async def _serve(self, request: Request, kind: type) -> Response:
+        edge = self.edge
+        try:
+            caller = edge.authenticate(request)
+            body = decode_body(await read_body(request, edge.config.max_body_bytes), kind)
+            key = request.headers.get("idempotency-key")
+            submit = to_submit(body, **({"idempotency_key": key} if key else {}))
+            watch = await edge.open_run(caller, submit)
+        except RequestError as err:
+            return error_response(err)
+        chat = kind is ChatCompletionRequest
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return await self._stream(caller, watch, chat, body.model, include_usage)
+        return await self._whole(request, caller, watch, chat, body.model)
+
+    async def _whole(
+        self, request: Request, caller: Caller, watch: RunWatch, chat: bool, model: str
+    ) -> Response:
+        texts: list[str] = []
+        async with anyio.create_task_group() as tg:
+
+            async def on_disconnect() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(on_disconnect)
+            try:
+                async for delta in self.edge.deltas(watch):
+                    texts.append(delta.text)
+            except TimeoutError as err:
+                await watch.close()
+                return error_response(RequestError("timeout", str(err)))
+            finally:
+                if watch.terminal is None:
+                    await self.edge.cancel(caller, watch.request_id, "disconnect")
+                await watch.close()
+            tg.cancel_scope.cancel()
+        term = watch.terminal
+        if term is None:
+            return Response(status_code=499)  # the client left; nobody reads this
+        if isinstance(term, RequestFailed):
+            return error_response(failure_error(term))
+        reason = term.finish_reason if isinstance(term, RunCompleted) else "cancelled"
+        body = full_response(chat, watch.request_id, _created(term), model, "".join(texts),
+                             reason, term.usage)  # fmt: skip
+        return JSONResponse(body, headers={"X-Request-Id": watch.request_id})
+
+    async def _stream(
+        self, caller: Caller, watch: RunWatch, chat: bool, model: str, include_usage: bool
+    ) -> Response:
+        deltas = self.edge.deltas(watch)
+        try:
+            first = await anext(deltas, None)
+        except TimeoutError as err:
+            await watch.close()
+            return error_response(RequestError("timeout", str(err)))
+        if first is None and isinstance(watch.terminal, RequestFailed):
+            await watch.close()
+            return error_response(failure_error(watch.terminal))
+        rid, created = watch.request_id, int(time.time())
+
+        def chunk(text: str, reason: str | None) -> bytes:
+            if chat:
+                return sse(chat_chunk(rid, created, model, {"content": text}, reason))
+            return sse(completion_chunk(rid, created, model, text, reason))
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                if chat:
+                    yield sse(
+                        chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None)
+                    )
+                if first is not None and first.text:
+                    yield chunk(first.text, None)
+                async for delta in deltas:
+                    if delta.text:
+                        yield chunk(delta.text, None)
+                term = watch.terminal
+                if isinstance(term, RequestFailed):
+                    yield sse(error_body(failure_error(term)))
+                elif term is not None:
+                    reason = term.finish_reason if isinstance(term, RunCompleted) else "cancelled"
+                    yield (
+                        sse(chat_chunk(rid, created, model, {}, reason))
+                        if chat
+                        else chunk("", reason)
+                    )
+                    if include_usage:
+                        yield sse(usage_chunk(chat, rid, created, model, term.usage))
+                yield b"data: [DONE]\n\n"
+            except TimeoutError as err:
+                yield sse(error_body(RequestError("timeout", str(err))))
+            finally:
+                if watch.terminal is None:
+                    await self.edge.cancel(caller, rid, "disconnect")
+                with anyio.CancelScope(shield=True):
+                    await watch.close()
+
+        headers = {"X-Request-Id": rid, "Cache-Control": "no-cache"}
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+def _created(term: RunCompleted | RunCancelled) -> int:
+    return int((term.ts_ns or time.time_ns()) // 1_000_000_000)
+
+
+def build_app(edge: Edge) -> Starlette:
+    from stages.edge_runs import RunRoutes
+    from stages.edge_ws import stream_socket
+
+    openai = OpenAIRoutes(edge)
+    runs = RunRoutes(edge)
+
+    async def healthz(request: Request) -> Response:
+        ok = edge.bus.nc.is_connected
+        return JSONResponse(
+            {"status": "ok" if ok else "nats_disconnected"}, status_code=200 if ok else 503
+        )
+
+    async def metrics(request: Request) -> Response:
+        return Response(edge.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    async def models(request: Request) -> Response:
+        try:
+            caller = edge.authenticate(request)
+        except RequestError as err:
+            return error_response(err)
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "brigade"}
+                for m in caller.models(edge.keys.default_models)]  # fmt: skip
+        return JSONResponse({"object": "list", "data": data})
+
+    async def socket(websocket) -> None:
+        await stream_socket(edge, websocket)
+
+    routes = [
+        Route("/healthz", healthz),
+        Route("/metrics", metrics),
+        Route("/v1/models", models),
+        Route("/v1/chat/completions", openai.chat, methods=["POST"]),
+        Route("/v1/completions", openai.completions, methods=["POST"]),
+        Route("/v1/runs/{request_id}", runs.get),
+        Route("/v1/runs/{request_id}/stream", runs.stream),
+        WebSocketRoute("/v1/stream", socket),
+    ]
+    return Starlette(routes=routes)
+
+
+async def serve(*, config, stop: anyio.Event, ready: anyio.Event | None = None,
+                edge_config: EdgeConfig | None = None, keys: KeyRing | None = None,
+                handle_signals: bool = True) -> None:  # fmt: skip
+    """`brigade stage edge`: the HTTP server plus the run-state projector, until `stop`."""
+    from stages import runstate, runtime
+
+    edge_config = edge_config or EdgeConfig.from_env()
+    bus = await Bus.connect(config, name="brigade-edge")
+    edge = Edge(bus, edge_config, keys or KeyRing.from_env())
+    await edge.start()
+    server = _Server(
+        uvicorn.Config(
+            build_app(edge),
+            host=edge_config.host,
+            port=edge_config.port,
+            ws_max_size=2 * edge_config.max_frame_bytes,
+            h11_max_incomplete_event_size=4 * edge_config.max_header_bytes,
+            log_level="warning",
+            lifespan="off",
+        )
+    )
+    projector_ready, server_done = anyio.Event(), anyio.Event()
+
+    async def run_server() -> None:
+        try:
+            await server.serve()
+        finally:
+            server_done.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: runtime.serve(runstate.SPEC, config=config, stop=stop,
+                                                ready=projector_ready, handle_signals=False))  # fmt: skip
+            tg.start_soon(run_server)
+            if handle_signals:
+                tg.start_soon(runtime._stop_on_signal, stop)
+            while not server.started and not server_done.is_set():
+                await anyio.sleep(0.01)
+            if server_done.is_set():
+                raise RuntimeError(
+                    f"edge could not listen on {edge_config.host}:{edge_config.port}"
+                )
+            await projector_ready.wait()
+            if ready is not None:
+                ready.set()
+            await stop.wait()
+            server.should_exit = True
+            with anyio.move_on_after(10):  # in-flight streams finish or are cut after 10 s
+                await server_done.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        await bus.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its own signal handlers: the hosting process owns signals."""
+
+    def capture_signals(self):  # type: ignore[override]
+        return contextlib.nullcontext()
