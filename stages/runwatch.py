@@ -11,10 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 
+import anyio
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from schemas.events import (
@@ -66,10 +68,7 @@ class RunWatch:
     async def close(self) -> None:
         if self._sub is not None:
             sub, self._sub = self._sub, None
-            try:
-                await sub.unsubscribe()
-            except (nats.errors.Error, nats.errors.ConnectionClosedError):
-                pass
+            await (_drop_consumer(self.js, sub) if self._replay else sub.unsubscribe())
 
     async def __aenter__(self) -> RunWatch:
         await self.start()
@@ -150,5 +149,16 @@ class RunWatch:
                 if msg.metadata.num_pending == 0:
                     break
         finally:
-            await sub.unsubscribe()
+            await _drop_consumer(self.js, sub)
         return ready
+
+
+async def _drop_consumer(js: JetStreamContext, sub) -> None:
+    """Unsubscribe and delete the ephemeral consumer now (not seconds later, on inactivity)."""
+    with anyio.CancelScope(shield=True):
+        try:
+            info = await sub.consumer_info()
+            await sub.unsubscribe()
+            await js.delete_consumer(subjects.EVENTS_STREAM, info.name)
+        except (nats.errors.Error, NotFoundError):
+            pass  # already gone: the server removes an ephemeral consumer without interest
