@@ -29,6 +29,29 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def read_checkpoint(root: Path) -> int:
+    try:
+        return int(json.loads((root / CHECKPOINT_FILE).read_text())["last_stream_seq"])
+    except FileNotFoundError:
+        return 0
+    except (json.JSONDecodeError, KeyError, ValueError) as err:
+        raise RuntimeError(
+            f"archive checkpoint {root / CHECKPOINT_FILE} is unreadable ({err}); "
+            "delete it to recover from the file names alone"
+        ) from err
+
+
+def archived_through(root: Path) -> int:
+    """The last stream sequence on disk: the checkpoint or the last one a file names (read only,
+    safe while an archiver runs)."""
+    last = read_checkpoint(root)
+    for path in root.glob("hour=*/events-*.parquet"):
+        match = _FILE_NAME.match(path.name)
+        if match:
+            last = max(last, int(match.group(2)))
+    return last
+
+
 class ParquetLog:
     """Append-only archive directory. Not safe for two writers: one archiver per directory."""
 
@@ -48,23 +71,10 @@ class ParquetLog:
         """Drop half-written files and return the last stream sequence safely on disk (0: none)."""
         for leftover in list(self.staging.iterdir()) + list(self.root.glob("hour=*/*.tmp")):
             leftover.unlink()
-        last = self.read_checkpoint()
-        for path in self.files():
-            match = _FILE_NAME.match(path.name)
-            if match:
-                last = max(last, int(match.group(2)))
-        return last
+        return archived_through(self.root)
 
     def read_checkpoint(self) -> int:
-        try:
-            return int(json.loads((self.root / CHECKPOINT_FILE).read_text())["last_stream_seq"])
-        except FileNotFoundError:
-            return 0
-        except (json.JSONDecodeError, KeyError, ValueError) as err:
-            raise RuntimeError(
-                f"archive checkpoint {self.root / CHECKPOINT_FILE} is unreadable ({err}); "
-                "delete it to recover from the file names alone"
-            ) from err
+        return read_checkpoint(self.root)
 
     def write(self, rows: list[dict]) -> list[Path]:
         """Write rows (sorted by stream_seq, unique) as one file per contiguous run of the same

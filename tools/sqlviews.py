@@ -7,7 +7,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from schemas.logrows import COLUMNS, read_json_sql, sql_path, write_ndjson
+from schemas.logrows import (
+    ARCHIVE_DIR_ENV,
+    COLUMNS,
+    default_archive_dir,
+    read_json_sql,
+    sql_path,
+    write_ndjson,
+)
 
 VIEWS_SQL = Path(__file__).with_name("views.sql")
 VIEW_NAMES = (
@@ -34,9 +41,10 @@ def connect(
     since_ns: int | None = None,
     tenant: str | None = None,
 ):
-    """An in-memory DuckDB with `events` and the views. Rows come from `rows` when given, else
-    from every Parquet file under `archive_dir`. `since_ns` / `tenant` keep only the requests
-    first seen at or after that wall-clock time / of that tenant (whole requests, never parts)."""
+    """An in-memory DuckDB with `events` and the views, over every Parquet file under
+    `archive_dir` plus `rows` (e.g. the stream's tail, see tools.logsource). `since_ns` and
+    `tenant` keep only the requests first seen at or after that wall-clock time / of that
+    tenant (whole requests, never parts)."""
     import duckdb
 
     con = duckdb.connect()
@@ -60,18 +68,47 @@ def connect(
 
 
 def _source_sql(con, archive_dir: Path | None, rows: list[dict] | None) -> str:
-    if rows is not None:
+    parts = []
+    names = ", ".join(COLUMNS)
+    if rows:
         with tempfile.TemporaryDirectory(prefix="brigade-rows-") as tmp:
             path = Path(tmp) / "rows.ndjson"
             write_ndjson(rows, path)
             con.execute(f"CREATE TEMP TABLE given_rows AS SELECT * FROM {read_json_sql(path)}")
-        return "SELECT * FROM given_rows"
+        parts.append(f"SELECT {names} FROM given_rows")
     if archive_dir is not None and parquet_files(archive_dir):
         pattern = sql_path(archive_dir / "**" / "*.parquet")
-        names = ", ".join(COLUMNS)
-        return f"SELECT {names} FROM read_parquet('{pattern}', union_by_name = true)"
-    empty = ", ".join(f"NULL::{kind} AS {name}" for name, kind in COLUMNS.items())
-    return f"SELECT {empty} WHERE false"
+        parts.append(f"SELECT {names} FROM read_parquet('{pattern}', union_by_name = true)")
+    if not parts:
+        empty = ", ".join(f"NULL::{kind} AS {name}" for name, kind in COLUMNS.items())
+        return f"SELECT {empty} WHERE false"
+    # The same stream sequence from both sources (archived meanwhile) is kept once.
+    union = " UNION ALL ".join(parts)
+    return f"SELECT DISTINCT ON (stream_seq) * FROM ({union}) ORDER BY stream_seq"
+
+
+def add_source_args(parser) -> None:
+    """--archive DIR and --no-stream, for every command that reads the log."""
+    parser.add_argument(
+        "--archive",
+        type=Path,
+        default=None,
+        help=f"archive directory (default: ${ARCHIVE_DIR_ENV} or .brigade/archive)",
+    )
+    parser.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="read only the archive, not the newest events from the running NATS stream",
+    )
+
+
+def open_log(args, *, since_ns: int | None = None, tenant: str | None = None):
+    """DuckDB over the archive plus, unless --no-stream, what the stream holds beyond it."""
+    from tools.logsource import stream_tail
+
+    archive_dir = args.archive or default_archive_dir()
+    tail = None if args.no_stream else stream_tail(archive_dir)
+    return connect(archive_dir, rows=tail, since_ns=since_ns, tenant=tenant)
 
 
 def parse_duration_ns(text: str) -> int:
