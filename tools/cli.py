@@ -6,8 +6,18 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ["tools.up", "tools.stage", "tools.ask", "tools.status", "tools.schema"]
-BENCH = ["tools.bench_pipeline"]
+COMMANDS = [
+    "tools.up",
+    "tools.stage",
+    "tools.ask",
+    "tools.status",
+    "tools.schema",
+    "tools.sql",
+    "tools.report",
+    "tools.trace",
+    "tools.replay",
+]
+BENCH = ["tools.bench_pipeline", "tools.bench_load"]
 
 
 def _register_all(subparsers, names: list[str]) -> None:
