@@ -27,6 +27,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from schemas import subjects
 from schemas.events import (
+    AnyEvent,
     CancelRequested,
     RequestFailed,
     RunCancelled,
@@ -36,6 +37,7 @@ from schemas.events import (
     decode_event,
     encode,
 )
+from stages.admission import AdmissionConfig, AdmissionGate
 from stages.bus import MSG_ID_HEADER, Bus
 from stages.edge_keys import Caller, KeyRing
 from stages.edge_metrics import EdgeMetrics
@@ -52,6 +54,7 @@ from stages.openai_compat import (
     to_submit,
     usage_chunk,
 )
+from stages.ratelimit import estimate_prompt_tokens
 from stages.runstate import RunStates
 from stages.runwatch import RunWatch
 
@@ -66,6 +69,7 @@ class EdgeConfig:
     max_header_bytes: int = 16 << 10
     max_frame_bytes: int = 1 << 20
     idle_timeout_s: float = 300.0  # no event from the pipeline for this long -> 504
+    admission: AdmissionConfig = AdmissionConfig()
 
     @classmethod
     def from_env(cls) -> EdgeConfig:
@@ -74,6 +78,12 @@ class EdgeConfig:
             host=env.get("BRIGADE_EDGE_HOST", "127.0.0.1"),
             port=int(env.get("BRIGADE_EDGE_PORT", "8080")),
             max_body_bytes=int(env.get("BRIGADE_EDGE_MAX_BODY", str(1 << 20))),
+            max_header_bytes=int(env.get("BRIGADE_EDGE_MAX_HEADERS", str(16 << 10))),
+            max_frame_bytes=int(env.get("BRIGADE_EDGE_MAX_FRAME", str(1 << 20))),
+            admission=AdmissionConfig(
+                max_waiting_tokens=int(env.get("BRIGADE_EDGE_MAX_WAITING_TOKENS", "65536")),
+                kv_watermark=float(env.get("BRIGADE_EDGE_KV_WATERMARK", "0.95")),
+            ),
         )
 
 
@@ -107,6 +117,7 @@ class Edge:
     def __init__(self, bus: Bus, config: EdgeConfig, keys: KeyRing) -> None:
         self.bus, self.config, self.keys = bus, config, keys
         self.metrics = EdgeMetrics()
+        self.gate = AdmissionGate(config.admission)
         self.idempotency: IdempotencyStore | None = None
         self.runs: RunStates | None = None
 
@@ -160,14 +171,26 @@ class Edge:
             request_id,
             starting_after=starting_after,
             idle_timeout_s=self.config.idle_timeout_s,
-            on_event=lambda event, _ns: self.metrics.observe_event(event),
+            on_event=self._observe,
         )
+
+    def _observe(self, event: AnyEvent, _received_ns: int) -> None:
+        self.metrics.observe_event(event)
+        self.gate.observe(event)
 
     async def open_run(self, caller: Caller, submit: Submit) -> RunWatch:
         """Subscribe, then submit; with an idempotency key possibly re-attach to its first run."""
         caller.check_model(submit.model)
         request_id = submit.request_id or new_request_id()
         submit = msgspec.structs.replace(submit, request_id=request_id, api_key=caller.api_key)
+        self.gate.admit(request_id, reserved_tokens(submit), caller.priority)
+        try:
+            return await self._submit(caller, submit, request_id)
+        except BaseException:
+            self.gate.release(request_id)
+            raise
+
+    async def _submit(self, caller: Caller, submit: Submit, request_id: str) -> RunWatch:
         if submit.idempotency_key is not None:
             assert self.idempotency is not None
             try:
@@ -177,6 +200,7 @@ class Edge:
             except IdempotencyConflict as err:
                 raise RequestError("conflict", str(err), "idempotency_key") from None
             if not claim.new:
+                self.gate.release(request_id)
                 watch = self._watch(claim.request_id, starting_after=-1)
                 await watch.start()
                 return watch
@@ -212,6 +236,11 @@ class Edge:
             self.metrics.e2e.observe(time.monotonic() - started)
         finally:
             self.metrics.open_streams.dec()
+
+
+def reserved_tokens(submit: Submit) -> int:
+    texts = [m.content for m in submit.messages or []] + [submit.prompt or "", submit.system or ""]
+    return estimate_prompt_tokens([t for t in texts if t]) + submit.max_tokens
 
 
 def sse(body: Any) -> bytes:

@@ -23,6 +23,7 @@ def key_hash(api_key: str) -> str:
 class TenantPolicy:
     name: str
     allowed_models: tuple[str, ...] = ()  # empty: every served model
+    priority: str = "interactive"  # or "batch"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,7 @@ class Caller:
     tenant: str
     api_key: str
     allowed_models: tuple[str, ...] = ()
+    priority: str = "interactive"
 
     def __repr__(self) -> str:  # never print the key
         return f"Caller(tenant={self.tenant!r}, allowed_models={self.allowed_models!r})"
@@ -63,4 +65,9 @@ class KeyRing:
                 found = policy
         if found is None:
             return None
-        return Caller(tenant=found.name, api_key=api_key, allowed_models=found.allowed_models)
+        return Caller(
+            tenant=found.name,
+            api_key=api_key,
+            allowed_models=found.allowed_models,
+            priority=found.priority,
+        )
