@@ -113,7 +113,10 @@ def waterfall(
     if not requests:
         _no_data(ax, "requests")
     else:
-        for row, (_, hops) in enumerate(requests):
+        for row, (name, hops) in enumerate(requests):
+            ttft = (first_token_ms or {}).get(name)
+            if ttft is not None:
+                ax.plot([ttft, ttft], [row - 0.4, row + 0.4], color="black", linewidth=2, zorder=3)
             for hop in hops:
                 color = STAGE_COLORS.get(hop.stage, "#999999")
                 queue = max(hop.start_ms - hop.in_ms, 0.0)
@@ -132,7 +135,7 @@ def waterfall(
         handles = [
             plt.Rectangle((0, 0), 1, 1, color=c) for s, c in STAGE_COLORS.items() if s in seen
         ]
-        ax.legend(handles, [s for s in STAGE_COLORS if s in seen], fontsize=8, loc="lower right")
+        ax.legend(handles, [s for s in STAGE_COLORS if s in seen], fontsize=8, loc="best")
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -40,15 +40,20 @@ def connect(
     rows: list[dict] | None = None,
     since_ns: int | None = None,
     tenant: str | None = None,
+    request_ids: list[str] | None = None,
 ):
     """An in-memory DuckDB with `events` and the views, over every Parquet file under
     `archive_dir` plus `rows` (e.g. the stream's tail, see tools.logsource). `since_ns` and
     `tenant` keep only the requests first seen at or after that wall-clock time / of that
-    tenant (whole requests, never parts)."""
+    tenant (whole requests, never parts); `request_ids` keeps only those requests."""
     import duckdb
 
     con = duckdb.connect()
-    con.execute(f"CREATE TABLE events_all AS {_source_sql(con, archive_dir, rows)}")
+    source = _source_sql(con, archive_dir, rows)
+    if request_ids is not None:
+        wanted = ", ".join(f"'{sql_path(r)}'" for r in request_ids) or "NULL"
+        source = f"SELECT * FROM ({source}) WHERE request_id IN ({wanted})"
+    con.execute(f"CREATE TABLE events_all AS {source}")
     conditions = []
     if since_ns is not None:
         conditions.append(f"min(ts_ns - service_ns) >= {int(since_ns)}")
@@ -102,13 +107,26 @@ def add_source_args(parser) -> None:
     )
 
 
-def open_log(args, *, since_ns: int | None = None, tenant: str | None = None):
-    """DuckDB over the archive plus, unless --no-stream, what the stream holds beyond it."""
+def open_log(
+    args,
+    *,
+    since_ns: int | None = None,
+    tenant: str | None = None,
+    request_id: str | None = None,
+):
+    """DuckDB over the archive plus, unless --no-stream, what the stream holds beyond it (for
+    one request only, when `request_id` is given)."""
     from tools.logsource import stream_tail
 
     archive_dir = args.archive or default_archive_dir()
-    tail = None if args.no_stream else stream_tail(archive_dir)
-    return connect(archive_dir, rows=tail, since_ns=since_ns, tenant=tenant)
+    tail = None if args.no_stream else stream_tail(archive_dir, request_id=request_id)
+    return connect(
+        archive_dir,
+        rows=tail,
+        since_ns=since_ns,
+        tenant=tenant,
+        request_ids=None if request_id is None else [request_id],
+    )
 
 
 def parse_duration_ns(text: str) -> int:
