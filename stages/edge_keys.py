@@ -1,29 +1,21 @@
-"""The edge's fast key check: API key -> caller (tenant and allowed models), from the same
-tenants file the auth stage reads (the auth stage stays the authority).
+"""The edge's fast key check: API key -> caller (tenant, allowed models, priority), from the
+same tenants file the auth stage reads (re-read when it changes; auth stays the authority).
 
-Keys are held only as SHA-256 hashes and compared in constant time; the key itself travels on
-to the pipeline in the submit (the gateway hashes it) and is never logged.
+Keys are held only as SHA-256 hashes and compared in constant time (`stages.tenants`); the key
+itself travels on to the pipeline in the submit (the gateway hashes it) and is never logged.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
+from stages import tenants
 from stages.openai_compat import RequestError
 
-
-def key_hash(api_key: str) -> str:
-    return "sha256:" + hashlib.sha256(api_key.encode()).hexdigest()
-
-
-@dataclass(frozen=True, kw_only=True)
-class TenantPolicy:
-    name: str
-    allowed_models: tuple[str, ...] = ()  # empty: every served model
-    priority: str = "interactive"  # or "batch"
+DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,23 +43,34 @@ class Caller:
 
 
 class KeyRing:
-    def __init__(
-        self, hashes: dict[str, TenantPolicy], default_models: tuple[str, ...] = ()
-    ) -> None:
-        self._hashes = hashes
+    def __init__(self, path: Path, default_models: tuple[str, ...] = (DEFAULT_MODEL,)) -> None:
+        self.path = path
         self.default_models = default_models
+        self._tenants = tenants.Tenants(tenants.TenantsFile())
+        self._mtime_ns: int | None = -1
+
+    @classmethod
+    def from_env(cls) -> KeyRing:
+        return cls(tenants.default_path(), (os.environ.get("BRIGADE_MODEL", DEFAULT_MODEL),))
+
+    def _refresh(self) -> None:
+        try:
+            mtime = self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            mtime = None
+        if mtime != self._mtime_ns:
+            self._tenants = tenants.load(self.path)
+            self._mtime_ns = mtime
 
     def lookup(self, api_key: str) -> Caller | None:
-        digest = key_hash(api_key)
-        found: TenantPolicy | None = None
-        for stored, policy in self._hashes.items():  # constant time per entry, no early exit
-            if hmac.compare_digest(stored, digest):
-                found = policy
+        self._refresh()
+        found = self._tenants.lookup(tenants.hash_key(api_key))
         if found is None:
             return None
+        name, tenant = found
         return Caller(
-            tenant=found.name,
+            tenant=name,
             api_key=api_key,
-            allowed_models=found.allowed_models,
-            priority=found.priority,
+            allowed_models=tuple(tenant.allowed_models),
+            priority=tenant.priority,
         )

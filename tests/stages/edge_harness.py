@@ -6,26 +6,32 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
+import msgspec
 
+from stages import tenants
 from stages.bus import BusConfig
 from stages.edge import EdgeConfig, serve
-from stages.edge_keys import KeyRing, TenantPolicy, key_hash
+from stages.edge_keys import KeyRing
 
 ACME_KEY = "sk-acme-test-0123456789"
 GLOBEX_KEY = "sk-globex-test-9876543210"
 MODEL = "smollm2-135m"
 
 
-def keyring_for_tests() -> KeyRing:
-    return KeyRing(
-        {
-            key_hash(ACME_KEY): TenantPolicy(name="acme"),
-            key_hash(GLOBEX_KEY): TenantPolicy(name="globex", allowed_models=("other-model",)),
-        },
-        default_models=(MODEL,),
+def keyring_for_tests(tmp_path: Path) -> KeyRing:
+    """A real tenants.toml: acme may use every model, globex only `other-model`."""
+    path = tmp_path / "tenants.toml"
+    tenants.add_key("acme", path=path, api_key=ACME_KEY)
+    tenants.add_key("globex", path=path, api_key=GLOBEX_KEY)
+    file = tenants.read_file(path)
+    file.tenants["globex"] = msgspec.structs.replace(
+        file.tenants["globex"], allowed_models=["other-model"]
     )
+    tenants.write_file(path, file)
+    return KeyRing(path, default_models=(MODEL,))
 
 
 def free_port() -> int:
@@ -43,7 +49,7 @@ class RunningEdge:
 
 @asynccontextmanager
 async def running_edge(
-    bus_config: BusConfig, keys: KeyRing | None = None, **overrides
+    bus_config: BusConfig, keys: KeyRing, **overrides
 ) -> AsyncIterator[RunningEdge]:
     config = EdgeConfig(port=free_port(), **overrides)
     stop, ready = anyio.Event(), anyio.Event()
@@ -54,7 +60,7 @@ async def running_edge(
                 stop=stop,
                 ready=ready,
                 edge_config=config,
-                keys=keys or keyring_for_tests(),
+                keys=keys,
                 handle_signals=False,
             )
         )

@@ -10,7 +10,7 @@ import websockets
 from schemas import subjects
 from schemas.events import Request, RequestAuthorized
 from stages.bus import Bus
-from tests.stages.edge_harness import ACME_KEY, GLOBEX_KEY, MODEL, running_edge
+from tests.stages.edge_harness import ACME_KEY, GLOBEX_KEY, MODEL, keyring_for_tests, running_edge
 
 pytestmark = pytest.mark.anyio
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -20,8 +20,11 @@ def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def test_keys_models_and_limits(bus_config):
-    async with running_edge(bus_config) as edge, httpx.AsyncClient(base_url=edge.url) as http:
+async def test_keys_models_and_limits(bus_config, tmp_path):
+    async with (
+        running_edge(bus_config, keyring_for_tests(tmp_path)) as edge,
+        httpx.AsyncClient(base_url=edge.url) as http,
+    ):
         r = await http.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 401
         assert r.json()["error"]["code"] == "unauthorized"
@@ -56,8 +59,11 @@ async def test_keys_models_and_limits(bus_config):
         assert "longer than 1024" in r.json()["error"]["message"]
 
 
-async def test_health_and_metrics_names(bus_config):
-    async with running_edge(bus_config) as edge, httpx.AsyncClient(base_url=edge.url) as http:
+async def test_health_and_metrics_names(bus_config, tmp_path):
+    async with (
+        running_edge(bus_config, keyring_for_tests(tmp_path)) as edge,
+        httpx.AsyncClient(base_url=edge.url) as http,
+    ):
         assert (await http.get("/healthz")).json() == {"status": "ok"}
         text = (await http.get("/metrics")).text
         for name in (
@@ -72,10 +78,13 @@ async def test_health_and_metrics_names(bus_config):
             assert name in text, name
 
 
-async def test_another_tenants_run_is_not_found(bus_config):
+async def test_another_tenants_run_is_not_found(bus_config, tmp_path):
     bus = await Bus.connect(bus_config)
     try:
-        async with running_edge(bus_config) as edge, httpx.AsyncClient(base_url=edge.url) as http:
+        async with (
+            running_edge(bus_config, keyring_for_tests(tmp_path)) as edge,
+            httpx.AsyncClient(base_url=edge.url) as http,
+        ):
             await bus.publish(
                 RequestAuthorized(
                     request_id="globexrun", tenant="globex", request=Request(messages=[])
@@ -104,8 +113,8 @@ async def test_another_tenants_run_is_not_found(bus_config):
         await bus.close()
 
 
-async def test_websocket_refuses_bad_keys_and_frames(bus_config):
-    async with running_edge(bus_config, max_frame_bytes=4096) as edge:
+async def test_websocket_refuses_bad_keys_and_frames(bus_config, tmp_path):
+    async with running_edge(bus_config, keyring_for_tests(tmp_path), max_frame_bytes=4096) as edge:
         with pytest.raises(websockets.InvalidStatus) as info:
             async with websockets.connect(edge.ws_url):
                 pass
