@@ -12,12 +12,13 @@ COMMANDS = [
     "tools.ask",
     "tools.status",
     "tools.schema",
+    "tools.kv_estimate",
     "tools.sql",
     "tools.report",
     "tools.trace",
     "tools.replay",
 ]
-BENCH = ["tools.bench_pipeline", "tools.bench_load"]
+BENCH = ["tools.bench_pipeline", "tools.bench_engine", "tools.bench_load"]
 
 
 def _register_all(subparsers, names: list[str]) -> None:
