@@ -17,6 +17,7 @@ COMMANDS = [
     "tools.report",
     "tools.trace",
     "tools.replay",
+    "tools.keys",
 ]
 BENCH = ["tools.bench_pipeline", "tools.bench_engine", "tools.bench_load"]
 
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `brigade schema | head`: the reader left, nothing more to say
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
