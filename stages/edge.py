@@ -37,11 +37,12 @@ from schemas.events import (
     decode_event,
     encode,
 )
+from stages import gateway
 from stages.admission import AdmissionConfig, AdmissionGate
 from stages.bus import MSG_ID_HEADER, Bus
 from stages.edge_keys import Caller, KeyRing
 from stages.edge_metrics import EdgeMetrics
-from stages.idempotency import IdempotencyConflict, IdempotencyStore, body_hash
+from stages.idempotency import IdempotencyConflict, IdempotencyStore, request_hash
 from stages.openai_compat import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +57,7 @@ from stages.openai_compat import (
 )
 from stages.ratelimit import estimate_prompt_tokens
 from stages.runstate import RunStates
+from stages.runtime import StageError
 from stages.runwatch import RunWatch
 
 MAX_AUTH_HEADER = 1024
@@ -181,21 +183,27 @@ class Edge:
     async def open_run(self, caller: Caller, submit: Submit) -> RunWatch:
         """Subscribe, then submit; with an idempotency key possibly re-attach to its first run."""
         caller.check_model(submit.model)
+        try:  # the gateway's own checks, here for a fast 400 and the idempotency digest
+            request = gateway.normalize(submit, limit_chars=gateway.max_text_chars())
+        except StageError as err:
+            raise RequestError("invalid_request", err.message, err.field) from None
         request_id = submit.request_id or new_request_id()
         submit = msgspec.structs.replace(submit, request_id=request_id, api_key=caller.api_key)
         self.gate.admit(request_id, reserved_tokens(submit), caller.priority)
         try:
-            return await self._submit(caller, submit, request_id)
+            return await self._submit(caller, submit, request_hash(request), request_id)
         except BaseException:
             self.gate.release(request_id)
             raise
 
-    async def _submit(self, caller: Caller, submit: Submit, request_id: str) -> RunWatch:
+    async def _submit(
+        self, caller: Caller, submit: Submit, digest: str, request_id: str
+    ) -> RunWatch:
         if submit.idempotency_key is not None:
             assert self.idempotency is not None
             try:
                 claim = await self.idempotency.claim(
-                    caller.tenant, submit.idempotency_key, body_hash(submit), request_id
+                    caller.tenant, submit.idempotency_key, digest, request_id
                 )
             except IdempotencyConflict as err:
                 raise RequestError("conflict", str(err), "idempotency_key") from None

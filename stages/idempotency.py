@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from schemas.events import Submit
+from schemas.events import Request, RequestAuthorized
 
 
 class IdempotencyConflict(Exception):
@@ -43,9 +43,10 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(IdempotencyRecord)
 
 
-def body_hash(submit: Submit) -> str:
-    """What makes two submits 'the same request': everything but identity and the key itself."""
-    bare = msgspec.structs.replace(submit, request_id=None, api_key=None, idempotency_key=None)
+def request_hash(request: Request) -> str:
+    """What makes two requests 'the same': the normalized request without the key itself, so
+    the edge and the auth stage (which both claim) hash alike."""
+    bare = msgspec.structs.replace(request, idempotency_key=None)
     return "sha256:" + hashlib.sha256(_encoder.encode(bare)).hexdigest()
 
 
@@ -68,11 +69,26 @@ class IdempotencyStore:
         except KeyWrongLastSequenceError:
             pass
         existing = await self.lookup(tenant, key)
-        if existing is None:  # expired between the two calls: claim again
+        if existing is None:  # expired or released between the two calls: claim again
             return await self.claim(tenant, key, digest, request_id)
+        if existing.request_id == request_id:
+            return Claim(request_id=request_id, new=True)  # claimed by this run's edge
         if existing.body_hash != digest:
             raise IdempotencyConflict(key, existing.request_id)
-        return Claim(request_id=existing.request_id, new=existing.request_id == request_id)
+        return Claim(request_id=existing.request_id, new=False)
+
+    async def release(self, tenant: str, key: str, request_id: str) -> None:
+        """Forget the key if it still names `request_id` (a run refused before it started, e.g.
+        rate limited: a retry with the same key must start a run, not replay the refusal)."""
+        try:
+            entry = await self.kv.get(kv_key(tenant, key))
+        except KeyNotFoundError:
+            return
+        if entry.value and _decoder.decode(entry.value).request_id == request_id:
+            try:
+                await self.kv.delete(kv_key(tenant, key), last=entry.revision)
+            except BadRequestError:
+                pass  # changed meanwhile: someone else owns it now
 
     async def lookup(self, tenant: str, key: str) -> IdempotencyRecord | None:
         try:
@@ -82,3 +98,24 @@ class IdempotencyStore:
         if entry.value is None:
             return None
         return _decoder.decode(entry.value)
+
+
+async def claim_authorized(store: IdempotencyStore, event: RequestAuthorized) -> bool:
+    """Auth's check; True when the run holds a key. Raises StageError for a reused key."""
+    from stages.runtime import StageError
+
+    key = event.request.idempotency_key
+    if key is None or event.tenant is None:
+        return False
+    try:
+        claim = await store.claim(event.tenant, key, request_hash(event.request), event.request_id)
+    except IdempotencyConflict as err:
+        raise StageError("conflict", str(err), field="idempotency_key") from None
+    if not claim.new:
+        raise StageError(
+            "conflict",
+            f"Idempotency-Key {key!r} already started run {claim.request_id}; follow "
+            f"llm.ev.{claim.request_id}.> for its result (this submit started nothing)",
+            field="idempotency_key",
+        )
+    return True

@@ -2,19 +2,25 @@ import anyio
 import pytest
 
 from schemas import subjects
-from schemas.events import Submit
+from schemas.events import Message, Request, Sampling
 from stages.bus import Bus
-from stages.idempotency import IdempotencyConflict, IdempotencyStore, body_hash, kv_key
+from stages.idempotency import IdempotencyConflict, IdempotencyStore, kv_key, request_hash
 
 pytestmark = pytest.mark.anyio
 
 
-def test_body_hash_ignores_identity_but_not_content():
-    a = Submit(prompt="hi", max_tokens=5, request_id="r1", api_key="k1", idempotency_key="x")
-    b = Submit(prompt="hi", max_tokens=5, request_id="r2", api_key="k2", idempotency_key="y")
-    c = Submit(prompt="hi", max_tokens=6)
-    assert body_hash(a) == body_hash(b)
-    assert body_hash(a) != body_hash(c)
+def _req(text: str, key: str | None = None, max_tokens: int = 5) -> Request:
+    return Request(
+        messages=[Message(role="user", content=text)],
+        idempotency_key=key,
+        sampling=Sampling(max_tokens=max_tokens),
+    )
+
+
+def test_request_hash_ignores_the_key_but_not_content():
+    assert request_hash(_req("hi", "x")) == request_hash(_req("hi", "y"))
+    assert request_hash(_req("hi")) != request_hash(_req("hi", max_tokens=6))
+    assert request_hash(_req("hi")) != request_hash(_req("bye"))
     assert kv_key("t1", "k") != kv_key("t2", "k")
 
 
@@ -22,7 +28,7 @@ async def test_same_key_same_body_returns_the_first_run(bus_config):
     bus = await Bus.connect(bus_config)
     try:
         store = IdempotencyStore(await bus.kv(subjects.IDEMPOTENCY_BUCKET, ttl_s=3600))
-        digest = body_hash(Submit(prompt="hi"))
+        digest = request_hash(_req("hi"))
         first = await store.claim("acme", "key-1", digest, "run1")
         again = await store.claim("acme", "key-1", digest, "run2")
         mine = await store.claim("acme", "key-1", digest, "run1")
@@ -31,8 +37,12 @@ async def test_same_key_same_body_returns_the_first_run(bus_config):
         assert (again.request_id, again.new) == ("run1", False)
         assert (mine.request_id, mine.new) == ("run1", True)
         assert (other_tenant.request_id, other_tenant.new) == ("run3", True)
-        with pytest.raises(IdempotencyConflict, match="run run1"):
-            await store.claim("acme", "key-1", body_hash(Submit(prompt="bye")), "run4")
+        await store.release("acme", "key-1", "run9")  # not its run: kept
+        assert (await store.lookup("acme", "key-1")).request_id == "run1"
+        await store.release("acme", "key-1", "run1")
+        assert (await store.claim("acme", "key-1", digest, "run5")).new
+        with pytest.raises(IdempotencyConflict, match="run run5"):
+            await store.claim("acme", "key-1", request_hash(_req("bye")), "run4")
     finally:
         await bus.close()
 
@@ -43,7 +53,7 @@ async def test_racing_claims_agree_on_one_run(bus_config):
         stores = [
             IdempotencyStore(await b.kv(subjects.IDEMPOTENCY_BUCKET, ttl_s=3600)) for b in buses
         ]
-        digest = body_hash(Submit(prompt="race"))
+        digest = request_hash(_req("race"))
         claims = []
 
         async def claim(i: int) -> None:

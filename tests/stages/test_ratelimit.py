@@ -70,12 +70,30 @@ async def test_tokens_reserved_then_settled_to_actual_usage(bus_config):
         with pytest.raises(RateLimited, match="1000 tokens/min; retry in 12.0 s") as info:
             await w2.admit("acme", "b", 600, limits)
         assert info.value.retry_after_s == 12.0  # 200 missing tokens at 1000/60 per second
-        assert await w2.settle("a", 130, limits) == 470  # used 100 + 30: 470 come back
-        assert await w1.settle("a", 130, limits) is None  # settled once only
+        assert await w2.settle("a", 130) == 470  # used 100 + 30: 470 come back
+        assert await w1.settle("a", 130) is None  # settled once only
         await w2.admit("acme", "b", 600, limits)
-        assert await w1.settle("b", 700, limits) == -100  # used more than reserved: charged
+        assert await w1.settle("b", 700) == -100  # used more than reserved: charged
         with pytest.raises(TooLarge, match="reserves 1001 tokens"):
             await w1.admit("acme", "c", 1001, limits)
+    finally:
+        for b in buses:
+            await b.close()
+
+
+@pytest.mark.anyio
+async def test_concurrent_runs_capped_until_settled(bus_config):
+    clock = Clock()
+    buses, (w1, w2) = await _limiters(bus_config, 2, clock)
+    limits = Limits(max_concurrent=2)
+    try:
+        await w1.admit("acme", "a", 10, limits)
+        await w2.admit("acme", "a", 10, limits)  # redelivered admission: no second slot
+        await w2.admit("acme", "b", 10, limits)
+        with pytest.raises(RateLimited, match="2 runs in flight, its max_concurrent is 2"):
+            await w1.admit("acme", "c", 10, limits)
+        assert await w1.settle("a", 5) == 5
+        await w2.admit("acme", "c", 10, limits)
     finally:
         for b in buses:
             await b.close()
