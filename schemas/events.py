@@ -87,6 +87,16 @@ class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
 
+class SubmitReply(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The gateway's answer to a submit that named a reply inbox (header Brigade-Reply-To)."""
+
+    request_id: str
+    accepted: bool
+    code: str | None = None  # as RequestFailed.code when not accepted
+    message: str | None = None
+    field: str | None = None
+
+
 class Request(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A validated submit, normalized: what travels from the gateway to the tokenizer."""
 
@@ -144,6 +154,7 @@ class ContextAssembled(Event, tag="assembled"):
     num_prompt_tokens: int = 0
     max_prompt_tokens: int = 0  # context window minus the output reserve
     truncated: bool = False
+    fallback: str | None = None  # why `summarize` fell back to dropping without a summary
 
 
 class PromptTokenized(Event, tag="tokenized"):

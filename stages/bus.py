@@ -21,11 +21,12 @@ from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
 from schemas import subjects
-from schemas.events import AnyEvent, Event, decode_event, encode
+from schemas.events import AnyEvent, Event, Submit, SubmitReply, decode_event, encode
 from stages import natsd
 
 log = logging.getLogger("brigade.bus")
 MSG_ID_HEADER = "Nats-Msg-Id"
+_reply_decoder = msgspec.json.Decoder(SubmitReply)
 STREAM_NAME_IN_USE = 10058  # JetStream err_code: a stream exists with another configuration
 
 
@@ -279,6 +280,18 @@ class Bus:
             encode(event),
             {MSG_ID_HEADER: subjects.msg_id(event.request_id, tag, seq)},
         )
+
+    async def submit(self, submit: Submit | bytes, *, timeout_s: float = 10.0) -> SubmitReply:
+        """Publish a submit to llm.in and wait for the gateway's answer (request id or error)."""
+        payload = submit if isinstance(submit, bytes) else encode(submit)
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, max_msgs=1)
+        try:
+            await self.js.publish(subjects.SUBMIT, payload, headers={subjects.REPLY_HEADER: inbox})
+            msg = await sub.next_msg(timeout=timeout_s)
+        finally:
+            await sub.unsubscribe()
+        return _reply_decoder.decode(msg.data)
 
     # ---- reading the log ----
 

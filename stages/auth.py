@@ -1,0 +1,92 @@
+"""Auth: `accepted` -> `authorized`. The API key's hash names the tenant; its settings apply.
+
+An unknown or missing key fails the request as `unauthorized`; a model outside the tenant's list
+as `forbidden`; max_tokens above the tenant's cap as `invalid_request`. The tenants file is
+re-read when it changes, so a key added by `brigade keys add` works without a restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from schemas.events import Event, RequestAccepted, RequestAuthorized, decoder_for
+from stages import tenants
+from stages.runtime import StageContext, StageError, StageSpec
+
+STAGE = "auth"
+
+
+@dataclass
+class AuthState:
+    """The tenants file, reloaded when its modification time changes."""
+
+    path: Path
+    tenants: tenants.Tenants = field(init=False)
+    _mtime_ns: int | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.tenants = tenants.Tenants(tenants.TenantsFile())
+        self.refresh()
+
+    def refresh(self) -> None:
+        try:
+            mtime = self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            mtime = None
+        if mtime != self._mtime_ns:
+            self.tenants = tenants.load(self.path)
+            self._mtime_ns = mtime
+
+
+def authorize(event: RequestAccepted, state: AuthState) -> RequestAuthorized:
+    state.refresh()
+    found = state.tenants.lookup(event.key_hash)
+    if found is None:
+        why = "no API key was given" if event.key_hash is None else "the API key is not known"
+        raise StageError(
+            "unauthorized",
+            f"{why}; send a key issued by `brigade keys add TENANT` (the `dev` tenant's key is "
+            "printed by `brigade up`)",
+            field="api_key",
+        )
+    name, tenant = found
+    request = event.request
+    if request.model is not None and tenant.allowed_models:
+        if request.model not in tenant.allowed_models:
+            raise StageError(
+                "forbidden",
+                f"tenant {name!r} may not use model {request.model!r}; allowed: "
+                f"{', '.join(tenant.allowed_models)}",
+                field="model",
+            )
+    max_tokens = request.sampling.max_tokens
+    if tenant.max_output_tokens is not None and max_tokens > tenant.max_output_tokens:
+        raise StageError(
+            "invalid_request",
+            f"max_tokens={max_tokens} is above tenant {name!r}'s max_output_tokens="
+            f"{tenant.max_output_tokens}; lower max_tokens",
+            field="max_tokens",
+        )
+    # A batch tenant cannot ask for interactive scheduling; anyone may ask for batch.
+    priority = "batch" if "batch" in (tenant.priority, request.priority) else "interactive"
+    return RequestAuthorized(
+        request_id=event.request_id, tenant=name, request=request, priority=priority
+    )
+
+
+def handle(event: RequestAccepted, state: AuthState) -> list[Event]:
+    return [authorize(event, state)]
+
+
+async def setup(ctx: StageContext) -> AuthState:
+    return AuthState(tenants.default_path())
+
+
+SPEC = StageSpec(
+    name=STAGE,
+    input_event="accepted",
+    decoder=decoder_for(RequestAccepted),
+    handle=handle,
+    setup=setup,
+)

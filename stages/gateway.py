@@ -1,0 +1,163 @@
+"""Gateway: a JSON submit on `llm.in` -> `accepted` (or `failed` naming the field), and an answer.
+
+It assigns the request id (or keeps a valid client one), hashes the API key (the key itself is
+never stored), normalizes the submit into a `Request`, and answers on the submit's reply inbox
+(header Brigade-Reply-To) with a `SubmitReply` once the event is stored.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+
+from schemas import subjects
+from schemas.events import (
+    Event,
+    Message,
+    Request,
+    RequestAccepted,
+    RequestFailed,
+    Sampling,
+    Submit,
+    SubmitReply,
+    encode,
+)
+from stages.runtime import StageError, StageSpec, error_field, new_request_id, read_envelope
+from stages.tenants import hash_key
+
+STAGE = "gateway"
+MAX_TEXT_CHARS_ENV = "BRIGADE_MAX_SUBMIT_CHARS"
+DEFAULT_MAX_TEXT_CHARS = 2_000_000  # all messages, system and documents of one submit together
+SAMPLING_FIELDS = tuple(f.name for f in msgspec.structs.fields(Sampling))
+
+
+def max_text_chars() -> int:
+    return int(os.environ.get(MAX_TEXT_CHARS_ENV) or DEFAULT_MAX_TEXT_CHARS)
+
+
+def _invalid(field: str, message: str) -> StageError:
+    return StageError("invalid_request", message, field=field)
+
+
+def normalize(submit: Submit, *, limit_chars: int) -> Request:
+    """Check what the schema cannot express and build the pipeline's `Request`."""
+    if submit.messages is None and submit.prompt is None:
+        raise _invalid(
+            "messages",
+            "give `messages` (a list of {role, content}) or `prompt` (a string); neither was sent",
+        )
+    if submit.messages is not None and submit.prompt is not None:
+        raise _invalid("prompt", "give either `messages` or `prompt`, not both")
+    if submit.messages is not None and not submit.messages:
+        raise _invalid("messages", "`messages` is empty; send at least one {role, content}")
+    if submit.prompt is not None:
+        if not submit.prompt:
+            raise _invalid("prompt", "`prompt` is empty")
+        for name in ("system", "documents"):
+            if getattr(submit, name):
+                raise _invalid(
+                    name, f"`{name}` needs `messages`: a raw `prompt` reaches the model as is"
+                )
+    if submit.min_tokens > submit.max_tokens:
+        raise _invalid(
+            "min_tokens",
+            f"min_tokens={submit.min_tokens} is above max_tokens={submit.max_tokens}",
+        )
+    messages = submit.messages or [Message(role="user", content=submit.prompt or "")]
+    num_chars = (
+        sum(len(m.content) for m in messages)
+        + len(submit.system or "")
+        + sum(len(d.content) for d in submit.documents)
+    )
+    if num_chars > limit_chars:
+        raise _invalid(
+            "messages" if submit.prompt is None else "prompt",
+            f"the submit holds {num_chars} characters of text; the limit is {limit_chars} "
+            f"({MAX_TEXT_CHARS_ENV})",
+        )
+    return Request(
+        messages=messages,
+        raw_prompt=submit.prompt is not None,
+        system=submit.system,
+        documents=submit.documents,
+        model=submit.model,
+        truncation=submit.truncation,
+        priority=submit.priority,
+        idempotency_key=submit.idempotency_key,
+        sampling=Sampling(**{name: getattr(submit, name) for name in SAMPLING_FIELDS}),
+    )
+
+
+def handle(submit: Submit, state: object) -> list[Event]:
+    request_id = submit.request_id or new_request_id()
+    try:
+        request = normalize(submit, limit_chars=max_text_chars())
+    except StageError as err:
+        failed = RequestFailed(
+            request_id=request_id,
+            stage=STAGE,
+            code="invalid_request",
+            message=err.message,
+            field=err.field,
+        )
+        return [failed]
+    accepted = RequestAccepted(
+        request_id=request_id,
+        request=request,
+        key_hash=hash_key(submit.api_key) if submit.api_key else None,
+        received_ns=time.time_ns(),
+    )
+    return [accepted]
+
+
+def on_invalid(data: bytes, err: Exception) -> RequestFailed:
+    """A submit that does not decode still gets a request id and a failed event."""
+    request_id, _ = read_envelope(data)
+    field = error_field(err)
+    if isinstance(err, msgspec.ValidationError):  # (a subclass of DecodeError)
+        detail = str(err).split(" - at `", 1)[0]
+        message = (
+            f"invalid submit field `{field}`: {detail}" if field else f"invalid submit: {detail}"
+        )
+    else:
+        message = f"the submit is not valid JSON: {err}"
+    if len(data) > 1_000_000:
+        message += f" (the submit was {len(data)} bytes)"
+    if field == "request_id":
+        request_id = None
+    return RequestFailed(
+        request_id=request_id or new_request_id(),
+        stage=STAGE,
+        code="invalid_request",
+        message=message,
+        field=field,
+    )
+
+
+def reply(outputs: list[Event]) -> bytes:
+    first = outputs[0]
+    if isinstance(first, RequestFailed):
+        answer = SubmitReply(
+            request_id=first.request_id,
+            accepted=False,
+            code=first.code,
+            message=first.message,
+            field=first.field,
+        )
+    else:
+        answer = SubmitReply(request_id=first.request_id, accepted=True)
+    return encode(answer)
+
+
+SPEC = StageSpec(
+    name=STAGE,
+    input_event=None,
+    subject=subjects.SUBMIT,
+    stream=subjects.SUBMIT_STREAM,
+    decoder=msgspec.json.Decoder(Submit),
+    handle=handle,
+    on_invalid=on_invalid,
+    reply=reply,
+)

@@ -1,0 +1,69 @@
+"""Tokenize: `assembled` -> `tokenized`. The chat template renders the fitted messages; a raw
+`prompt` is encoded as is. Uses only engine.tokenizer (no torch), so the stage starts fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from engine.tokenizer import Tokenizer, load_tokenizer
+from schemas.events import ContextAssembled, Event, PromptTokenized, Request, decoder_for
+from stages.runtime import StageContext, StageError, StageSpec
+
+STAGE = "tokenize"
+MODEL_ENV = "BRIGADE_MODEL"  # the engine's model; its tokenizer must be this stage's
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@functools.cache
+def tokenizer_for(model: str) -> Tokenizer:
+    return load_tokenizer(model)
+
+
+def served_model() -> str:
+    return os.environ.get(MODEL_ENV) or DEFAULT_MODEL
+
+
+def prompt_token_ids(request: Request, tokenizer: Tokenizer) -> list[int]:
+    if request.raw_prompt:
+        return tokenizer.encode(request.messages[0].content)
+    messages = [{"role": m.role, "content": m.content} for m in request.messages]
+    return tokenizer.encode_chat(messages, add_generation_prompt=True)
+
+
+def handle(event: ContextAssembled, tokenizer: Tokenizer) -> list[Event]:
+    ids = prompt_token_ids(event.request, tokenizer)
+    if not ids:
+        raise StageError("invalid_request", "the prompt has no tokens", field="prompt")
+    if event.max_prompt_tokens and len(ids) > event.max_prompt_tokens:
+        raise StageError(
+            "context_length",
+            f"the prompt has {len(ids)} tokens but only {event.max_prompt_tokens} fit (the "
+            f"context window minus max_tokens={event.request.sampling.max_tokens}); shorten "
+            "the input, lower max_tokens or choose a truncation strategy",
+            field="messages",
+        )
+    return [
+        PromptTokenized(
+            request_id=event.request_id,
+            tenant=event.tenant,
+            prompt_token_ids=ids,
+            sampling=event.request.sampling,
+            priority=event.priority,
+            model=event.request.model,
+        )
+    ]
+
+
+async def setup(ctx: StageContext) -> Tokenizer:
+    return tokenizer_for(served_model())
+
+
+SPEC = StageSpec(
+    name=STAGE,
+    input_event="assembled",
+    decoder=decoder_for(ContextAssembled),
+    handle=handle,
+    setup=setup,
+)

@@ -1,0 +1,156 @@
+"""Gateway: validation names the field, ids are assigned, keys are hashed, answers are sent."""
+
+from __future__ import annotations
+
+import hashlib
+
+import anyio
+import msgspec
+import pytest
+
+from schemas.events import RequestAccepted, RequestFailed, Submit, decode_submit
+from stages import gateway, runtime
+from stages.bus import Bus, BusConfig
+
+
+def submit_result(data: bytes) -> RequestAccepted | RequestFailed:
+    try:
+        submit = decode_submit(data)
+    except msgspec.DecodeError as err:
+        return gateway.on_invalid(data, err)
+    (out,) = gateway.handle(submit, None)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "message"),
+    [
+        (
+            b"{not json",
+            None,
+            "the submit is not valid JSON: JSON is malformed: object keys must be strings (byte 1)",
+        ),
+        (
+            b'{"prompt": 5}',
+            "prompt",
+            "invalid submit field `prompt`: Expected `str | null`, got `int`",
+        ),
+        (
+            b'{"prompt": "x", "top_p": 7}',
+            "top_p",
+            "invalid submit field `top_p`: Expected `float` <= 1.0",
+        ),
+        (
+            b'{"prompt": "x", "max_tokens": "9"}',
+            "max_tokens",
+            "invalid submit field `max_tokens`: Expected `int`, got `str`",
+        ),
+        (
+            b'{"messages": [{"role": "bot", "content": "x"}]}',
+            "messages[0].role",
+            "invalid submit field `messages[0].role`: Invalid enum value 'bot'",
+        ),
+        (b'{"messages": []}', "messages", "`messages` is empty; send at least one {role, content}"),
+        (
+            b"{}",
+            "messages",
+            "give `messages` (a list of {role, content}) or `prompt` (a string); neither was sent",
+        ),
+        (
+            b'{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}',
+            "prompt",
+            "give either `messages` or `prompt`, not both",
+        ),
+        (
+            b'{"prompt": "a", "system": "s"}',
+            "system",
+            "`system` needs `messages`: a raw `prompt` reaches the model as is",
+        ),
+        (
+            b'{"prompt": "a", "max_tokens": 4, "min_tokens": 5}',
+            "min_tokens",
+            "min_tokens=5 is above max_tokens=4",
+        ),
+        (
+            b'{"request_id": "a.b", "prompt": "x"}',
+            "request_id",
+            "invalid submit field `request_id`: Expected `str` matching regex '^[A-Za-z0-9_-]{1,64}$'",
+        ),
+    ],
+)
+def test_bad_submits_fail_naming_the_field(data: bytes, field: str | None, message: str) -> None:
+    out = submit_result(data)
+    assert isinstance(out, RequestFailed)
+    assert (out.stage, out.code, out.field, out.message) == (
+        "gateway",
+        "invalid_request",
+        field,
+        message,
+    )
+    assert len(out.request_id) == 32
+
+
+def test_ten_megabyte_prompt_is_refused_with_sizes() -> None:
+    data = b'{"request_id": "big1", "prompt": "' + b"a" * 10_000_000 + b'"}'
+    out = submit_result(data)
+    assert isinstance(out, RequestFailed) and out.request_id == "big1"
+    assert out.message == (
+        "invalid submit field `prompt`: Expected `str` of length <= 1000000 "
+        "(the submit was 10000036 bytes)"
+    )
+
+
+def test_total_text_limit_counts_every_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gateway.MAX_TEXT_CHARS_ENV, "10")
+    out = submit_result(b'{"system": "12345", "messages": [{"role": "user", "content": "123456"}]}')
+    assert isinstance(out, RequestFailed) and out.field == "messages"
+    assert (
+        out.message
+        == "the submit holds 11 characters of text; the limit is 10 (BRIGADE_MAX_SUBMIT_CHARS)"
+    )
+
+
+def test_accepted_normalizes_and_hashes_the_key() -> None:
+    out = submit_result(
+        b'{"request_id": "mine-1", "api_key": "s3cret", "prompt": "Hi", "temperature": 0,'
+        b' "max_tokens": 7, "stop": ["\\n"], "priority": "batch"}'
+    )
+    assert isinstance(out, RequestAccepted) and out.request_id == "mine-1"
+    assert out.key_hash == "sha256:" + hashlib.sha256(b"s3cret").hexdigest()
+    assert b"s3cret" not in msgspec.json.encode(out)
+    r = out.request
+    assert (r.raw_prompt, [(m.role, m.content) for m in r.messages]) == (True, [("user", "Hi")])
+    assert (r.sampling.temperature, r.sampling.max_tokens, r.sampling.stop) == (0.0, 7, ["\n"])
+    assert r.priority == "batch" and out.received_ns > 0
+
+
+@pytest.mark.anyio
+async def test_gateway_answers_on_the_reply_inbox(bus_config: BusConfig) -> None:
+    stop, ready = anyio.Event(), anyio.Event()
+    bus = await Bus.connect(bus_config)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: runtime.serve(
+                gateway.SPEC, config=bus_config, stop=stop, ready=ready, handle_signals=False
+            )
+        )
+        await ready.wait()
+        ok = await bus.submit(Submit(request_id="r-ok", prompt="Hi", api_key="k"))
+        bad = await bus.submit(b'{"request_id": "r-bad", "prompt": "x", "top_p": 7}')
+        junk = await bus.submit(b"\x00\x01")
+        stop.set()
+    assert (ok.request_id, ok.accepted) == ("r-ok", True)
+    assert (bad.request_id, bad.accepted, bad.code, bad.field) == (
+        "r-bad",
+        False,
+        "invalid_request",
+        "top_p",
+    )
+    assert junk.accepted is False and junk.message.startswith("the submit is not valid JSON")
+    (accepted,) = await bus.replay("r-ok")
+    assert isinstance(accepted, RequestAccepted) and accepted.service_ns > 0
+    (failed,) = await bus.replay(junk.request_id)
+    assert isinstance(failed, RequestFailed) and failed.stage == "gateway"
+    info = await bus.js.stream_info("BRIGADE_IN")
+    assert info.state.messages == 0  # the work queue is empty: every submit was acked
+    await bus.close()

@@ -1,0 +1,63 @@
+"""Tokenize: the chat template for messages, raw encoding for a prompt, exact ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.events import ContextAssembled, Message, Request, Sampling
+from stages import tokenize
+from stages.runtime import StageError
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenize.tokenizer_for("smollm2-135m")
+
+
+def assembled(request: Request, max_prompt_tokens: int = 0) -> ContextAssembled:
+    return ContextAssembled(
+        request_id="r1",
+        tenant="t",
+        request=request,
+        priority="batch",
+        max_prompt_tokens=max_prompt_tokens,
+    )
+
+
+def test_chat_template_ids(tok) -> None:
+    req = Request(
+        messages=[Message(role="system", content="Be brief."), Message(role="user", content="hi")],
+        sampling=Sampling(max_tokens=3, seed=5),
+        model="smollm2-135m",
+    )
+    (out,) = tokenize.handle(assembled(req), tok)
+    # <|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n
+    ids = [1, 9690, 198, 6077, 5453, 30, 2, 198, 1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198]
+    assert out.prompt_token_ids == ids
+    assert out.prompt_token_ids[3:6] == tok.encode("Be brief.")
+    assert (out.tenant, out.priority, out.model, out.sampling.seed) == (
+        "t",
+        "batch",
+        "smollm2-135m",
+        5,
+    )
+
+
+def test_raw_prompt_skips_the_template(tok) -> None:
+    req = Request(messages=[Message(role="user", content="Hello world")], raw_prompt=True)
+    (out,) = tokenize.handle(assembled(req), tok)
+    assert out.prompt_token_ids == tok.encode("Hello world") == [19556, 905]
+
+
+def test_too_long_prompt_fails_with_numbers(tok) -> None:
+    req = Request(
+        messages=[Message(role="user", content="Hello world")],
+        raw_prompt=True,
+        sampling=Sampling(max_tokens=9),
+    )
+    with pytest.raises(StageError) as info:
+        tokenize.handle(assembled(req, max_prompt_tokens=1), tok)
+    assert info.value.code == "context_length"
+    assert info.value.message.startswith(
+        "the prompt has 2 tokens but only 1 fit (the context window minus max_tokens=9)"
+    )
