@@ -1,0 +1,84 @@
+"""Time the bare model over the paged cache: a prefill and decode steps at a few batch sizes.
+
+Usage: python -m tools.bench_model [--dtype bfloat16] [--quantization auto|none|int8|int4]
+Prints median milliseconds per forward (+ logits) and tokens per second; no engine, no sampler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.loader import load_model
+
+
+def _metadata(qlens: list[int], slens: list[int], blocks_per_seq: int, block_size: int):
+    slots = []
+    for i, (ql, sl) in enumerate(zip(qlens, slens, strict=True)):
+        slots += [i * blocks_per_seq * block_size + p for p in range(sl - ql, sl)]
+    table = torch.arange(len(qlens) * blocks_per_seq, dtype=torch.int32).view(len(qlens), -1)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(
+            [0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32
+        ),
+        seq_lens=torch.tensor(slens, dtype=torch.int32),
+        block_tables=table,
+        query_lens_cpu=qlens,
+        seq_lens_cpu=slens,
+        block_size=block_size,
+    )
+
+
+def time_step(model, config, qlens, slens, *, repeats: int, block_size: int = 16) -> float:
+    """Median seconds of forward + compute_logits (last token of each sequence)."""
+    blocks_per_seq = -(-max(slens) // block_size)
+    shape = (len(qlens) * blocks_per_seq, block_size, config.num_kv_heads, config.head_dim)
+    caches = [
+        (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+        for _ in range(config.num_layers)
+    ]
+    attn = _metadata(qlens, slens, blocks_per_seq, block_size)
+    num_tokens = sum(qlens)
+    ids = torch.randint(0, config.vocab_size, (num_tokens,))
+    positions = torch.cat([torch.arange(sl - ql, sl) for ql, sl in zip(qlens, slens, strict=True)])
+    last = torch.tensor(qlens).cumsum(0) - 1
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        hidden = model(ids, positions, caches, attn)
+        model.compute_logits(hidden[last])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--context", type=int, default=256, help="cached tokens per decode seq")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    quant = None if args.quantization == "none" else args.quantization
+    model, config = load_model(args.model, dtype=args.dtype, quantization=quant)
+    print(
+        f"{args.model} dtype={args.dtype} quantization={model.quantization} "
+        f"threads={torch.get_num_threads()}"
+    )
+    for batch in (1, 8, 32):
+        s = time_step(model, config, [1] * batch, [args.context] * batch, repeats=args.repeats)
+        print(
+            f"decode batch {batch:>2} @ {args.context} ctx: {s * 1e3:7.1f} ms/step "
+            f"{batch / s:7.1f} tok/s"
+        )
+    s = time_step(model, config, [512], [512], repeats=max(2, args.repeats // 4))
+    print(f"prefill 512 tokens:        {s * 1e3:7.1f} ms      {512 / s:7.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
