@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from schemas import subjects
 from schemas.events import Event, RequestAccepted, RequestAuthorized, decoder_for
-from stages import tenants
+from stages import idempotency, ratelimit, tenants
 from stages.runtime import StageContext, StageError, StageSpec
 
 STAGE = "auth"
@@ -24,6 +25,8 @@ class AuthState:
     path: Path
     tenants: tenants.Tenants = field(init=False)
     _mtime_ns: int | None = field(init=False, default=None)
+    limiter: ratelimit.RateLimiter | None = None
+    idempotency_keys: idempotency.IdempotencyStore | None = None
 
     def __post_init__(self) -> None:
         self.tenants = tenants.Tenants(tenants.TenantsFile())
@@ -75,12 +78,34 @@ def authorize(event: RequestAccepted, state: AuthState) -> RequestAuthorized:
     )
 
 
-def handle(event: RequestAccepted, state: AuthState) -> list[Event]:
-    return [authorize(event, state)]
+async def admit(event: RequestAuthorized, state: AuthState) -> None:
+    """Idempotency key, then the tenant's rate limits (shared KV); a refused run frees its key."""
+    store = state.idempotency_keys
+    claimed = store is not None and await idempotency.claim_authorized(store, event)
+    if state.limiter is None:
+        return
+    try:
+        await ratelimit.admit_authorized(state.limiter, event, state.tenants.by_name[event.tenant])
+    except StageError:
+        if claimed:
+            await store.release(event.tenant, event.request.idempotency_key, event.request_id)
+        raise
+
+
+async def handle(event: RequestAccepted, state: AuthState) -> list[Event]:
+    authorized = authorize(event, state)
+    await admit(authorized, state)
+    return [authorized]
 
 
 async def setup(ctx: StageContext) -> AuthState:
-    return AuthState(tenants.default_path())
+    state = AuthState(tenants.default_path())
+    await ctx.bus.ensure_kv()
+    state.limiter = ratelimit.RateLimiter(await ctx.bus.kv(subjects.RATES_BUCKET))
+    state.idempotency_keys = idempotency.IdempotencyStore(
+        await ctx.bus.kv(subjects.IDEMPOTENCY_BUCKET)
+    )
+    return state
 
 
 SPEC = StageSpec(

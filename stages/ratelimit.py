@@ -222,7 +222,9 @@ async def admit_authorized(limiter: RateLimiter, event, tenant) -> None:
         return
     request = event.request
     texts = [m.content for m in request.messages] + [d.content for d in request.documents]
-    tokens = estimate_prompt_tokens([*texts, request.system or ""]) + request.sampling.max_tokens
+    if request.system:
+        texts.append(request.system)
+    tokens = estimate_prompt_tokens(texts) + request.sampling.max_tokens
     try:
         await limiter.admit(event.tenant, event.request_id, tokens, limits)
     except RateLimited as err:
