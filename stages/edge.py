@@ -302,6 +302,7 @@ class OpenAIRoutes:
         self, request: Request, caller: Caller, watch: RunWatch, chat: bool, model: str
     ) -> Response:
         texts: list[str] = []
+        timeout: RequestError | None = None
         async with anyio.create_task_group() as tg:
 
             async def on_disconnect() -> None:
@@ -314,13 +315,16 @@ class OpenAIRoutes:
                 async for delta in self.edge.deltas(watch):
                     texts.append(delta.text)
             except TimeoutError as err:
-                await watch.close()
-                return error_response(RequestError("timeout", str(err)))
+                timeout = RequestError("timeout", str(err))
             finally:
+                tg.cancel_scope.cancel()
                 if watch.terminal is None:
-                    await self.edge.cancel(caller, watch.request_id, "disconnect")
-                await watch.close()
-            tg.cancel_scope.cancel()
+                    why = "disconnect" if timeout is None else "timeout"
+                    await self.edge.cancel(caller, watch.request_id, why)
+                with anyio.CancelScope(shield=True):
+                    await watch.close()
+        if timeout is not None:
+            return error_response(timeout)
         term = watch.terminal
         if term is None:
             return Response(status_code=499)  # the client left; nobody reads this
@@ -380,6 +384,7 @@ class OpenAIRoutes:
                 if watch.terminal is None:
                     await self.edge.cancel(caller, rid, "disconnect")
                 with anyio.CancelScope(shield=True):
+                    await deltas.aclose()
                     await watch.close()
 
         headers = {"X-Request-Id": rid, "Cache-Control": "no-cache"}
