@@ -1,0 +1,61 @@
+"""AttentionMetadata checks and the CPU dispatch: K/V land in their slots, output is causal."""
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata, paged_attend, prepare_attention
+
+BLOCK_SIZE = 4
+
+
+def metadata(query_lens, seq_lens, tables, slots):
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        block_size=BLOCK_SIZE,
+    )
+
+
+def test_metadata_rejects_inconsistent_lengths():
+    with pytest.raises(AssertionError, match="slot_mapping has 2"):
+        metadata([3], [3], [[0]], [0, 1])
+    with pytest.raises(AssertionError, match="needs more than 1 blocks"):
+        metadata([1], [5], [[0]], [4])
+    with pytest.raises(AssertionError, match=r"query len 4 must be in \[1, seq len 3\]"):
+        metadata([4], [3], [[0]], [0, 1, 2, 3])
+
+
+def test_paged_attend_writes_slots_and_matches_dense_attention():
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+    k_cache = torch.zeros(6, BLOCK_SIZE, kv_heads, dim)
+    v_cache = torch.zeros_like(k_cache)
+    # seq A: 5 tokens already cached in blocks 3, 1; one new token at position 5 (block 1)
+    # seq B: a fresh 3-token prompt in block 4
+    ctx_k, ctx_v = torch.randn(5, kv_heads, dim), torch.randn(5, kv_heads, dim)
+    for p in range(5):
+        block = [3, 1][p // BLOCK_SIZE]
+        k_cache[block, p % BLOCK_SIZE], v_cache[block, p % BLOCK_SIZE] = ctx_k[p], ctx_v[p]
+    q = torch.randn(4, heads, dim)
+    k, v = torch.randn(4, kv_heads, dim), torch.randn(4, kv_heads, dim)
+    slots = [1 * BLOCK_SIZE + 1, 4 * BLOCK_SIZE + 0, 4 * BLOCK_SIZE + 1, 4 * BLOCK_SIZE + 2]
+    attn = metadata([1, 3], [6, 3], [[3, 1], [4, -1]], slots)
+    out = paged_attend(q, k, v, (k_cache, v_cache), prepare_attention(attn, q.device), dim**-0.5)
+
+    assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[4, 2], v[3])
+    assert torch.equal(k_cache[0], torch.zeros(BLOCK_SIZE, kv_heads, dim))  # untouched
+
+    def dense(qs, ks, vs):  # qs [ql, H, D] are the last ql positions of ks/vs [sl, KVH, D]
+        ks, vs = ks.repeat_interleave(2, 1), vs.repeat_interleave(2, 1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * dim**-0.5
+        ql, sl = qs.shape[0], ks.shape[0]
+        causal = torch.arange(sl)[None, :] > torch.arange(sl - ql, sl)[:, None]
+        return torch.einsum("hqk,khd->qhd", scores.masked_fill(causal, -torch.inf).softmax(-1), vs)
+
+    expected_a = dense(q[:1], torch.cat([ctx_k, k[:1]]), torch.cat([ctx_v, v[:1]]))
+    expected_b = dense(q[1:], k[1:], v[1:])
+    torch.testing.assert_close(out, torch.cat([expected_a, expected_b]), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,166 @@
+"""Paged attention: the torch reference against dense causal attention, the Triton kernel
+(under TRITON_INTERPRET=1, tiny shapes) against the reference, per-dtype tolerances."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels.paged_attention as pa
+
+TOLERANCE = {  # STYLE.md's table
+    torch.float32: {"atol": 1e-5, "rtol": 1.3e-6},
+    torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2},
+    torch.float16: {"atol": 1e-3, "rtol": 1e-3},
+}
+
+
+def make_case(query_lens, seq_lens, *, num_heads, num_kv_heads, block_size, dtype, seed=0):
+    """Random K/V for every context token, scattered into shuffled cache blocks."""
+    g = torch.Generator().manual_seed(seed)
+    head_dim = 16
+    blocks_needed = [-(-sl // block_size) for sl in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    width = max(blocks_needed)
+    tables, keys, values, qs = [], [], [], []
+    for ql, sl, nb in zip(query_lens, seq_lens, blocks_needed, strict=True):
+        blocks = [perm.pop() for _ in range(nb)]
+        tables.append(blocks + [-1] * (width - nb))
+        k = torch.randn(sl, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(sl, num_kv_heads, head_dim, generator=g).to(dtype)
+        for p in range(sl):
+            k_cache[blocks[p // block_size], p % block_size] = k[p]
+            v_cache[blocks[p // block_size], p % block_size] = v[p]
+        keys.append(k)
+        values.append(v)
+        qs.append(torch.randn(ql, num_heads, head_dim, generator=g).to(dtype))
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    return qs, keys, values, k_cache, v_cache, block_tables
+
+
+def dense_causal(q, k, v):
+    """Naive attention for one sequence: q [ql, H, D] are the last ql of k/v [sl, KVH, D]."""
+    ql, num_heads, head_dim = q.shape
+    sl, num_kv_heads, _ = k.shape
+    rep = num_heads // num_kv_heads
+    k = k.float().repeat_interleave(rep, dim=1)  # [sl, H, D]
+    v = v.float().repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(head_dim)
+    q_pos = torch.arange(sl - ql, sl)[:, None]
+    scores = scores.masked_fill(torch.arange(sl)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def run_reference(qs, keys, values, k_cache, v_cache, block_tables, query_lens, seq_lens, bs):
+    plan = pa.build_reference_plan(block_tables, query_lens, seq_lens, bs)
+    q = torch.cat(qs)
+    k_new = torch.cat([k[sl - ql :] for k, ql, sl in zip(keys, query_lens, seq_lens, strict=True)])
+    v_new = torch.cat(
+        [v[sl - ql :] for v, ql, sl in zip(values, query_lens, seq_lens, strict=True)]
+    )
+    scale = q.shape[-1] ** -0.5
+    return pa.paged_attention_reference(q, k_new, v_new, k_cache, v_cache, plan, scale)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "heads", "block_size"),
+    [
+        ([1, 1, 1], [1, 15, 17], (4, 4), 4),  # decodes; a 1-token fresh sequence
+        ([15, 1, 17], [15, 33, 40], (6, 2), 8),  # fresh prefill, decode, chunk over context
+        ([5], [5], (9, 3), 16),  # SmolLM2's 3:1 GQA, one partial block
+        ([3, 1], [20, 1025], (8, 1), 16),  # multi-query, a long context
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_matches_dense_causal_attention(query_lens, seq_lens, heads, block_size, dtype):
+    num_heads, num_kv_heads = heads
+    case = make_case(
+        query_lens,
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        dtype=dtype,
+    )
+    qs, keys, values = case[:3]
+    out = run_reference(*case, query_lens, seq_lens, block_size)
+    expected = torch.cat([dense_causal(q, k, v) for q, k, v in zip(qs, keys, values, strict=True)])
+    assert out.shape == expected.shape and out.dtype == dtype
+    tol = TOLERANCE[dtype] if dtype != torch.float32 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(out.float(), expected, **tol)
+
+
+def test_reference_plan_batches_decodes_and_gathers_only_used_blocks():
+    block_tables = torch.tensor([[7, 2, -1], [4, -1, -1], [5, 0, 1]], dtype=torch.int32)
+    plan = pa.build_reference_plan(block_tables, [1, 3, 1], [20, 3, 33], block_size=16)
+    assert plan.decode_rows.tolist() == [0, 4]  # rows of seqs 0 and 2 in the step's tokens
+    assert plan.decode_blocks.tolist() == [[7, 2, 0], [5, 0, 1]]  # padding -> block 0, masked
+    assert plan.decode_mask.shape == (2, 1, 1, 48)
+    assert plan.decode_mask[:, 0, 0].sum(-1).tolist() == [20, 33]
+    (prefill,) = plan.prefills
+    assert (prefill.start, prefill.end, prefill.blocks, prefill.mask) == (1, 4, None, None)
+
+
+KERNEL_CASES = [  # (query_lens, seq_lens, (heads, kv heads), block_size, dtype)
+    ([1, 1], [15, 17], (4, 2), 8, torch.float32),  # decode across a block boundary
+    ([2, 1], [2, 1], (3, 3), 4, torch.float32),  # fresh prefill; a sequence of length 1
+    ([3, 1], [17, 9], (9, 3), 16, torch.bfloat16),  # chunk on a cached prefix, GQA 3:1
+    ([1], [12], (4, 1), 6, torch.float16),  # block size not a power of two
+]
+
+
+def check_kernel_cases() -> None:
+    """Run in a child with TRITON_INTERPRET=1 (it must be set before triton is imported)."""
+    for query_lens, seq_lens, (num_heads, num_kv_heads), block_size, dtype in KERNEL_CASES:
+        case = make_case(
+            query_lens,
+            seq_lens,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            dtype=dtype,
+            seed=1,
+        )
+        qs, _, _, k_cache, v_cache, block_tables = case
+        seq_idx, ctx_len = pa.token_layout(query_lens, seq_lens, torch.device("cpu"))
+        q = torch.cat(qs)
+        out = pa.paged_attention(q, k_cache, v_cache, block_tables, seq_idx, ctx_len, 0.25)
+        expected = run_reference(*case, query_lens, seq_lens, block_size)
+        assert out.dtype == dtype, (out.dtype, dtype)
+        torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+        print("ok", query_lens, seq_lens, num_heads, num_kv_heads, block_size, dtype)
+    k_cache = torch.zeros(4, 8, 2, 16)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    seq_idx, ctx_len = pa.token_layout([1], [5], torch.device("cpu"))
+    bad = [
+        ("dtype mismatch", torch.zeros(1, 4, 16, dtype=torch.bfloat16), tables),
+        ("not a multiple", torch.zeros(1, 3, 16), tables),
+        ("int32", torch.zeros(1, 4, 16), tables.long()),
+    ]
+    for message, q, t in bad:
+        try:
+            pa.paged_attention(q, k_cache, k_cache, t, seq_idx, ctx_len, 0.25)
+        except ValueError as e:
+            assert message in str(e), (message, str(e))
+        else:
+            raise AssertionError(f"no ValueError for {message}")
+    print("ok wrapper checks")
+
+
+def test_triton_kernel_matches_reference_under_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed")
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    code = "from tests.kernels.test_paged_attention import check_kernel_cases as c; c()"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok") == len(KERNEL_CASES) + 1
