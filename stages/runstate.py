@@ -83,7 +83,9 @@ def apply(record: RunRecord | None, event: AnyEvent) -> RunRecord | None:
         return None
     current = record.state if record is not None else None
     if current == new:
-        return None  # e.g. authorized after accepted, or the next token: nothing to write
+        if record is not None and record.tenant is None and event.tenant is not None:
+            return msgspec.structs.replace(record, tenant=event.tenant)  # auth named it
+        return None  # the next token of a streaming run: nothing to write
     try:
         check(current, new)
     except IllegalTransition:
@@ -160,8 +162,8 @@ class Projector:
     async def handle(self, event: AnyEvent) -> None:
         tag = type(event).__struct_config__.tag
         known = self._seen.get(event.request_id)
-        if known is not None and STATE_OF_EVENT.get(tag) == known:  # type: ignore[arg-type]
-            return  # the next token of a streaming run: nothing to write
+        if tag in ("tokens", "text") and known is not None and known != "prefill":
+            return  # the next delta of a streaming (or finished) run: nothing to write
         record = await self.runs.project(event) or await self.runs.get(event.request_id)
         if record is not None:
             state = record.state

@@ -26,7 +26,9 @@ def _accepted(rid: str = "r1") -> RequestAccepted:
 
 
 def test_the_happy_path_and_its_fields():
-    rec = apply(None, _accepted())
+    rec = apply(None, RequestAccepted(request_id="r1", request=Request(messages=[]), ts_ns=1))
+    assert (rec.state, rec.tenant) == ("queued", None)
+    rec = apply(rec, _accepted())  # auth's event names the tenant
     assert (rec.state, rec.tenant) == ("queued", "acme")
     rec = apply(rec, PromptTokenized(request_id="r1", prompt_token_ids=[1, 2]))
     assert rec.state == "prefill"
