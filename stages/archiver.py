@@ -161,6 +161,7 @@ class Archiver:
             if self.due() or (not self._rows and self._to_ack is not None):
                 await self.flush()
         await self.flush()
+        await self._sub.unsubscribe()  # a pending pull would hold the connection's drain
         await self.bus.nc.flush()
         self.log.close()
         log.info(
@@ -172,27 +173,30 @@ class Archiver:
 
 
 async def serve(
-    config: ArchiverConfig | None = None,
     *,
-    bus_config: BusConfig | None = None,
+    config: BusConfig | None = None,
     stop: anyio.Event | None = None,
     ready: anyio.Event | None = None,
+    archiver: ArchiverConfig | None = None,
     handle_signals: bool = True,
 ) -> ArchiverStats:
-    """Connect, archive until `stop` (or SIGTERM/SIGINT), write what is buffered, close."""
-    config = config or ArchiverConfig(archive_dir=default_archive_dir())
+    """Connect, archive until `stop` (or SIGTERM/SIGINT), write what is buffered, close.
+
+    The signature `brigade stage` expects: `config` is the bus; `archiver` defaults to the
+    archive directory of schemas.logrows.default_archive_dir()."""
+    archiver_config = archiver or ArchiverConfig(archive_dir=default_archive_dir())
     stop = stop or anyio.Event()
-    bus = await Bus.connect(bus_config, name="brigade-archiver")
-    archiver = Archiver(bus, config)
+    bus = await Bus.connect(config, name="brigade-archiver")
+    worker = Archiver(bus, archiver_config)
     try:
         async with anyio.create_task_group() as tg:
             if handle_signals:
                 tg.start_soon(_stop_on_signal, stop)
-            await archiver.run(stop, ready)
+            await worker.run(stop, ready)
             tg.cancel_scope.cancel()
     finally:
         await bus.close()
-    return archiver.stats
+    return worker.stats
 
 
 async def _stop_on_signal(stop: anyio.Event) -> None:

@@ -12,12 +12,13 @@ FROM (
 )
 WHERE dup_rank = 1;
 
--- When each request arrived: the gateway's receipt of the submit (else the gateway's start).
+-- When each request arrived: the gateway's receipt of the submit, or the start of its work on
+-- it when that is earlier (a gateway that stamps receipt inside its handler).
 CREATE OR REPLACE VIEW arrivals AS
 WITH acc AS (
     SELECT request_id,
-           coalesce(nullif(TRY_CAST(data ->> '$.received_ns' AS BIGINT), 0),
-                    ts_ns - service_ns) AS arrival_ns
+           least(coalesce(nullif(TRY_CAST(data ->> '$.received_ns' AS BIGINT), 0), ts_ns),
+                 ts_ns - service_ns) AS arrival_ns
     FROM ev WHERE type = 'accepted'
 ), first_seen AS (
     SELECT request_id, min(ts_ns - service_ns) AS first_ns, max(tenant) AS tenant
