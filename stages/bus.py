@@ -91,7 +91,7 @@ class ConsumerSpec:
     """A shared durable pull consumer: every worker of one stage binds to the same durable."""
 
     durable: str
-    filter_subject: str
+    filter_subject: str | tuple[str, ...]  # several subjects: one consumer over all of them
     stream: str = subjects.EVENTS_STREAM
     ack_wait_s: float = 30.0
     max_deliver: int = 5
@@ -215,7 +215,10 @@ class Bus:
         )
         config = api.ConsumerConfig(
             durable_name=spec.durable,
-            filter_subject=spec.filter_subject,
+            filter_subject=spec.filter_subject if isinstance(spec.filter_subject, str) else None,
+            filter_subjects=None
+            if isinstance(spec.filter_subject, str)
+            else list(spec.filter_subject),
             deliver_policy=api.DeliverPolicy.ALL
             if spec.deliver_all
             else api.DeliverPolicy.BY_START_TIME,

@@ -84,7 +84,7 @@ class StageSpec:
     """What a stage is: its name, its input, its decoder, its handler and delivery settings."""
 
     name: str
-    input_event: str | None  # event tag; None when `subject` is given (the gateway: llm.in)
+    input_event: str | tuple[str, ...] | None  # event tag(s); None with `subject` (the gateway)
     decoder: msgspec.json.Decoder
     handle: Handler
     setup: Callable[[StageContext], Awaitable[Any]] | None = None
@@ -96,6 +96,9 @@ class StageSpec:
     backoff_s: tuple[float, ...] = ()
     max_in_flight: int = 32
     skip_cancelled: bool = True
+    # True: a handler exception (not a StageError) naks the input for redelivery instead of
+    # failing the request — for stages whose errors are transient (the ledger's file lock).
+    retry_errors: bool = False
     # Invalid input -> the failed event to publish (None: log and ack). Default: read the
     # request id and tenant from the raw JSON.
     on_invalid: Callable[[bytes, Exception], RequestFailed | None] | None = None
@@ -103,7 +106,12 @@ class StageSpec:
     reply: ReplyFn | None = None
 
     def consumer(self) -> ConsumerSpec:
-        subject = self.subject or subjects.all_events(self.input_event or "")
+        if self.subject is not None:
+            subject: str | tuple[str, ...] = self.subject
+        elif isinstance(self.input_event, tuple):
+            subject = tuple(subjects.all_events(e) for e in self.input_event)
+        else:
+            subject = subjects.all_events(self.input_event or "")
         return ConsumerSpec(
             durable=subjects.durable_name(self.name),
             filter_subject=subject,
@@ -239,12 +247,13 @@ class StageWorker:
         request_id, tenant = read_envelope(data)
         if request_id is None:
             return None
+        kind = self.spec.input_event if isinstance(self.spec.input_event, str) else "event"
         return RequestFailed(
             request_id=request_id,
             tenant=tenant,
             stage=self.spec.name,
             code="invalid_request",
-            message=f"invalid {self.spec.input_event or 'input'}: {err}",
+            message=f"invalid {kind}: {err}",
             field=error_field(err),
         )
 
@@ -272,6 +281,9 @@ class StageWorker:
             outputs = [self._failed(event, err.code, err.message, err.field, err.retry_after_s)]
         except Exception as err:  # noqa: BLE001 - a failing handler fails its request, not us
             self.log.exception("handler failed for %s", request_id)
+            if self.spec.retry_errors:
+                await msg.nak(delay=min(0.1 * 2.0**msg.metadata.num_delivered, 5.0))
+                return
             outputs = [self._failed(event, "internal", f"{type(err).__name__}: {err}", None, None)]
         await self.complete(msg, outputs, started)
 

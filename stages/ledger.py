@@ -1,0 +1,236 @@
+"""Ledger: every `completed`, `failed` or `cancelled` run is billed exactly once into DuckDB.
+
+The table's primary key is the billing key (tenant, request id, billing type) and rows go in
+with ON CONFLICT DO NOTHING, so a redelivered terminal event, or a second terminal event of the
+same run, bills nothing more; `billed` always repeats the stored row. DuckDB lets one process
+hold the file at a time, so each worker opens it per batch of rows and retries while another
+worker holds the lock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import duckdb
+
+from schemas.events import (
+    Event,
+    RequestFailed,
+    RunBilled,
+    RunCancelled,
+    RunCompleted,
+    Usage,
+    decoder_for,
+)
+from stages import natsd
+from stages.runtime import StageContext, StageSpec
+
+STAGE = "ledger"
+DB_ENV = "BRIGADE_LEDGER_DB"
+BILLING_TYPE = "run"
+LOCK_TIMEOUT_S = 30.0
+LINGER_S = 0.01  # gather concurrent rows into one open of the file
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS billing (
+    billing_key VARCHAR PRIMARY KEY,
+    tenant VARCHAR,
+    request_id VARCHAR NOT NULL,
+    billing_type VARCHAR NOT NULL,
+    status VARCHAR NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL,
+    cached_tokens BIGINT NOT NULL,
+    detail VARCHAR,
+    event_ts_ns BIGINT NOT NULL,
+    billed_ns BIGINT NOT NULL
+)
+"""
+COLUMNS = (
+    "billing_key, tenant, request_id, billing_type, status, prompt_tokens, completion_tokens, "
+    "cached_tokens, detail, event_ts_ns, billed_ns"
+)
+
+Terminal = RunCompleted | RunCancelled | RequestFailed
+
+
+def default_path() -> Path:
+    env = os.environ.get(DB_ENV)
+    return Path(env) if env else natsd.default_data_dir() / "ledger.duckdb"
+
+
+def billing_key(tenant: str | None, request_id: str, billing_type: str = BILLING_TYPE) -> str:
+    return f"{tenant or '-'}:{request_id}:{billing_type}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    billing_key: str
+    tenant: str | None
+    request_id: str
+    status: str
+    usage: Usage
+    detail: str | None
+    event_ts_ns: int
+
+
+def row_for(event: Terminal) -> Row:
+    match event:
+        case RunCompleted():
+            status, detail = "completed", event.finish_reason
+        case RunCancelled():
+            status, detail = "cancelled", event.reason
+        case RequestFailed():
+            status, detail = "failed", f"{event.stage}:{event.code}"
+    return Row(
+        billing_key=billing_key(event.tenant, event.request_id),
+        tenant=event.tenant,
+        request_id=event.request_id,
+        status=status,
+        usage=event.usage,
+        detail=detail,
+        event_ts_ns=event.ts_ns,
+    )
+
+
+def connect(path: Path, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """Open the ledger, waiting while another process holds DuckDB's file lock."""
+    deadline = time.monotonic() + LOCK_TIMEOUT_S
+    delay = 0.005
+    while True:
+        try:
+            return duckdb.connect(str(path), read_only=read_only)
+        except duckdb.IOException as err:
+            if "lock" not in str(err).lower() or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+
+def write_rows(path: Path, rows: list[Row]) -> dict[str, Row]:
+    """Insert rows not billed yet; return the stored row for every key (first bill wins)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    now = time.time_ns()
+    con = connect(path)
+    try:
+        con.execute(SCHEMA)
+        con.executemany(
+            f"INSERT INTO billing ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT DO NOTHING",
+            [
+                (r.billing_key, r.tenant, r.request_id, BILLING_TYPE, r.status,
+                 r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens,
+                 r.detail, r.event_ts_ns, now)
+                for r in rows
+            ],
+        )  # fmt: skip
+        stored = con.execute(
+            "SELECT billing_key, tenant, request_id, status, prompt_tokens, completion_tokens, "
+            "cached_tokens, detail, event_ts_ns FROM billing WHERE billing_key IN "
+            f"({', '.join('?' for _ in rows)})",
+            [r.billing_key for r in rows],
+        ).fetchall()
+    finally:
+        con.close()
+    return {
+        key: Row(
+            billing_key=key,
+            tenant=tenant,
+            request_id=rid,
+            status=status,
+            usage=Usage(prompt_tokens=p, completion_tokens=c, cached_tokens=k),
+            detail=detail,
+            event_ts_ns=ts,
+        )
+        for key, tenant, rid, status, p, c, k, detail, ts in stored
+    }
+
+
+class _Slot:
+    def __init__(self, row: Row) -> None:
+        self.row = row
+        self.error: Exception | None = None
+        self.done = anyio.Event()
+
+
+@dataclass
+class LedgerWriter:
+    """Batches rows from concurrent handlers into one open of the DuckDB file."""
+
+    path: Path
+    _pending: list[_Slot] = field(default_factory=list)
+    _flushing: bool = False
+
+    async def record(self, row: Row) -> Row:
+        """The stored row for `row`'s billing key once it is in the file."""
+        slot = _Slot(row)
+        self._pending.append(slot)
+        if not self._flushing:
+            self._flushing = True
+            try:
+                await anyio.sleep(LINGER_S)
+                while self._pending:
+                    batch, self._pending = self._pending, []
+                    rows = [s.row for s in batch]
+                    try:
+                        stored = await anyio.to_thread.run_sync(write_rows, self.path, rows)
+                    except Exception as err:  # noqa: BLE001 - every waiter of the batch fails
+                        stored, error = {}, err
+                    else:
+                        error = None
+                    for s in batch:
+                        s.row, s.error = stored.get(s.row.billing_key, s.row), error
+                        s.done.set()
+            finally:
+                self._flushing = False
+        await slot.done.wait()
+        if slot.error is not None:
+            raise slot.error
+        return slot.row
+
+
+async def handle(event: Terminal, writer: LedgerWriter) -> list[Event]:
+    stored = await writer.record(row_for(event))
+    return [
+        RunBilled(
+            request_id=event.request_id,
+            tenant=stored.tenant,
+            status=stored.status,  # type: ignore[arg-type]
+            usage=stored.usage,
+            billing_key=stored.billing_key,
+        )
+    ]
+
+
+async def setup(ctx: StageContext) -> LedgerWriter:
+    return LedgerWriter(default_path())
+
+
+def usage_by_tenant(path: Path | None = None, tenant: str | None = None) -> list[tuple]:
+    """(tenant, status, runs, prompt_tokens, completion_tokens) per tenant and status."""
+    con = connect(path or default_path(), read_only=True)
+    try:
+        where, args = ("WHERE tenant = ?", [tenant]) if tenant else ("", [])
+        return con.execute(
+            "SELECT coalesce(tenant, '-'), status, count(*), sum(prompt_tokens), "
+            f"sum(completion_tokens) FROM billing {where} GROUP BY ALL ORDER BY ALL",
+            args,
+        ).fetchall()
+    finally:
+        con.close()
+
+
+SPEC = StageSpec(
+    name=STAGE,
+    input_event=("completed", "failed", "cancelled"),
+    decoder=decoder_for(RunCompleted, RunCancelled, RequestFailed),
+    handle=handle,
+    setup=setup,
+    skip_cancelled=False,
+    retry_errors=True,
+)
