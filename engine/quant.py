@@ -79,7 +79,7 @@ def make_linear(
 ) -> nn.Module:
     """A linear layer over `weight` [out, in] (float, on its final device) in `dtype`.
 
-    int4 needs `in` divisible by 32; a matrix that is not falls back to int8.
+    int4 needs `in` divisible by 32 and `out` by 16; a matrix that is not falls back to int8.
     """
     if quantization is None:
         return DenseLinear(weight.to(dtype))
@@ -88,7 +88,8 @@ def make_linear(
             f"quantization={quantization!r} uses CPU-only kernels; pass quantization=None on "
             f"{weight.device.type}"
         )
-    if quantization == "int4" and weight.shape[1] % INT4_GROUP_SIZE == 0:
+    out_features, in_features = weight.shape
+    if quantization == "int4" and in_features % INT4_GROUP_SIZE == 0 and out_features % 16 == 0:
         return Int4Linear(weight, dtype)
     if quantization in QUANTIZATIONS:
         return Int8Linear(weight, dtype)

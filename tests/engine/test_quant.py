@@ -1,0 +1,48 @@
+"""Weight-only linears: int4 recovers a Q4_1-style grid exactly, int8 within its step size."""
+
+import pytest
+import torch
+
+from engine.quant import DenseLinear, Int4Linear, Int8Linear, make_linear
+
+
+def test_int4_is_exact_on_a_4bit_asymmetric_grid():
+    g = torch.Generator().manual_seed(0)
+    out_f, in_f = 64, 96
+    codes = torch.randint(0, 16, (out_f, in_f // 32, 32), generator=g).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # every group spans its full range, as Q4_1 does
+    scale = torch.rand(out_f, in_f // 32, 1, generator=g) * 0.01 + 0.001
+    low = torch.randn(out_f, in_f // 32, 1, generator=g) * 0.05
+    w = (codes * scale + low).reshape(out_f, in_f)  # [out, in]
+    x = torch.randn(5, in_f, generator=g)
+    lin = Int4Linear(w, torch.float32)
+    torch.testing.assert_close(lin.forward(x), x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_int8_error_is_bounded_by_half_a_step():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 64, generator=g)
+    lin = Int8Linear(w, torch.float32)
+    deq = lin.weight.float() * lin.scales[:, None]
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert ((deq - w).abs() <= step / 2 + 1e-7).all()
+    x = torch.randn(3, 64, generator=g)
+    torch.testing.assert_close(lin.forward(x), x @ deq.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_make_linear_choices():
+    w = torch.randn(8, 40)
+    assert type(make_linear(w, quantization=None, dtype=torch.bfloat16)) is DenseLinear
+    assert type(make_linear(w, quantization="int8", dtype=torch.bfloat16)) is Int8Linear
+    # 40 inputs do not split into groups of 32, 8 outputs are not a multiple of 16: int8
+    assert type(make_linear(w, quantization="int4", dtype=torch.bfloat16)) is Int8Linear
+    assert (
+        type(make_linear(torch.randn(8, 64), quantization="int4", dtype=torch.float32))
+        is Int8Linear
+    )
+    assert (
+        type(make_linear(torch.randn(8, 64), quantization="int4", dtype=torch.float32))
+        is Int4Linear
+    )
+    with pytest.raises(ValueError, match="allowed: None, int8, int4"):
+        make_linear(w, quantization="fp4", dtype=torch.float32)
