@@ -41,7 +41,7 @@ def test_make_linear_choices():
         is Int8Linear
     )
     assert (
-        type(make_linear(torch.randn(8, 64), quantization="int4", dtype=torch.float32))
+        type(make_linear(torch.randn(16, 64), quantization="int4", dtype=torch.float32))
         is Int4Linear
     )
     with pytest.raises(ValueError, match="allowed: None, int8, int4"):
