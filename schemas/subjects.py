@@ -45,5 +45,10 @@ def msg_id(request_id: str, event: str, seq: int | None = None) -> str:
     return f"{request_id}:{event}" if seq is None else f"{request_id}:{event}:{seq}"
 
 
+def max_deliveries_advisory(stream: str, durable: str) -> str:
+    """JetStream's notice that a message was delivered max_deliver times without an ack."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
+
+
 def durable_name(stage: str) -> str:
     return f"brigade-{stage}"

@@ -36,6 +36,7 @@ deltas, and `ctx.cancels.on_cancel(callback)` to abort work.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import re
 import signal
@@ -95,6 +96,7 @@ class StageSpec:
     max_deliver: int = 5
     backoff_s: tuple[float, ...] = ()
     max_in_flight: int = 32
+    max_hold_s: float = 600.0  # in-progress acks stop after this: a hung handler is redelivered
     skip_cancelled: bool = True
     # True: a handler exception (not a StageError) naks the input for redelivery instead of
     # failing the request — for stages whose errors are transient (the ledger's file lock).
@@ -215,6 +217,7 @@ class StageWorker:
         self.state: Any = None
         self._sub: Any = None
         self._cancel_sub: Any = None
+        self._gave_up_sub: Any = None
         self._in_flight: dict[int, tuple[Msg, float]] = {}
         self._async_handler = inspect.iscoroutinefunction(spec.handle)
         self.log = logging.getLogger(f"brigade.{spec.name}")
@@ -226,7 +229,12 @@ class StageWorker:
     async def start(self) -> None:
         await self.bus.ensure_streams()
         self._cancel_sub = await self.ctx.cancels.subscribe(self.bus)
-        self._sub = await self.bus.pull(self.spec.consumer())
+        consumer = self.spec.consumer()
+        self._gave_up_sub = await self.bus.nc.subscribe(
+            subjects.max_deliveries_advisory(consumer.stream, consumer.durable),
+            cb=self._gave_up,
+        )
+        self._sub = await self.bus.pull(consumer)
         if self.spec.setup is not None:
             self.state = await self.spec.setup(self.ctx)
 
@@ -327,6 +335,31 @@ class StageWorker:
         failed = self._failed(event, err.code, err.message, err.field, err.retry_after_s)
         await self.complete(msg, [failed], started_ns)
 
+    async def _gave_up(self, advisory: Msg) -> None:
+        """A message ran out of deliveries (its workers crashed or hung): fail its request.
+
+        Every worker of the stage hears the advisory; the `failed` event's msg id dedupes them.
+        """
+        try:
+            seq = json.loads(advisory.data)["stream_seq"]
+            raw = await self.bus.js.get_msg(self.spec.stream, seq)
+            request_id, tenant = read_envelope(raw.data or b"")
+            if request_id is None:
+                self.log.error("gave up on stream seq %d (no request id in it)", seq)
+                return
+            await self.bus.publish(
+                RequestFailed(
+                    request_id=request_id,
+                    tenant=tenant,
+                    stage=self.spec.name,
+                    code="internal",
+                    message=f"{self.spec.name} gave up after {self.spec.max_deliver} deliveries "
+                    "without finishing (its workers crashed or hung); see their logs",
+                )
+            )
+        except Exception:  # noqa: BLE001 - a lost advisory only leaves the request unfinished
+            self.log.exception("could not fail the request of a dead-lettered message")
+
     async def _track(self, msg: Msg) -> None:
         key = id(msg)
         self._in_flight[key] = (msg, time.monotonic())
@@ -345,7 +378,7 @@ class StageWorker:
             await anyio.sleep(period)
             now = time.monotonic()
             for msg, since in list(self._in_flight.values()):
-                if now - since >= period:
+                if period <= now - since <= self.spec.max_hold_s:
                     try:
                         await msg.in_progress()
                     except Exception:  # noqa: BLE001 - a lost in-progress ack only risks redelivery
@@ -373,6 +406,7 @@ class StageWorker:
         # so a drain would wait forever. Anything still queued is redelivered after ack_wait.
         await self._sub.unsubscribe()
         await self._cancel_sub.unsubscribe()
+        await self._gave_up_sub.unsubscribe()
         if self.spec.teardown is not None:
             await self.spec.teardown(self.state)
 

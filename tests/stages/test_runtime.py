@@ -231,3 +231,40 @@ def test_error_field_reads_msgspec_paths() -> None:
         == "messages[0].role"
     )
     assert error_field(ValueError("JSON is malformed: invalid character (byte 0)")) is None
+
+
+async def test_message_out_of_deliveries_fails_its_request(bus_config: BusConfig) -> None:
+    """A handler that hangs every time: after max_deliver deliveries the request fails."""
+
+    async def hang(event: RequestAccepted, state: dict) -> list[RequestAuthorized]:
+        state.setdefault("seen", []).append(event.request_id)
+        await anyio.sleep_forever()
+
+    bus = await Bus.connect(bus_config)
+    state: dict = {}
+    spec = StageSpec(
+        name="echo",
+        input_event="accepted",
+        decoder=decoder_for(RequestAccepted),
+        handle=hang,
+        setup=lambda ctx: _const(state),
+        ack_wait_s=0.3,
+        max_deliver=2,
+        max_hold_s=0.0,
+    )
+    ready = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: serve(spec, config=bus_config, ready=ready, handle_signals=False))
+        await ready.wait()
+        await bus.publish(accepted("hung1", "hi"))
+        assert await wait_for(bus, "llm.ev.hung1.failed", 1) == 1
+        tg.cancel_scope.cancel()
+    assert state["seen"] == ["hung1", "hung1"]
+    (failed,) = [e for e in await bus.replay("hung1") if isinstance(e, RequestFailed)]
+    assert (failed.stage, failed.code, failed.tenant) == ("echo", "internal", "t1")
+    assert failed.message.startswith("echo gave up after 2 deliveries without finishing")
+    await bus.close()
+
+
+async def _const(value):
+    return value
