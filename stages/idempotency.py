@@ -11,10 +11,17 @@ from __future__ import annotations
 import hashlib
 
 import msgspec
-from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js import JetStreamContext
+from nats.js.errors import (
+    BadRequestError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
 
-from schemas.events import Request, RequestAuthorized
+from schemas import subjects
+from schemas.events import Event, Request, RequestAccepted, RequestAuthorized
 
 
 class IdempotencyConflict(Exception):
@@ -119,3 +126,23 @@ async def claim_authorized(store: IdempotencyStore, event: RequestAuthorized) ->
             field="idempotency_key",
         )
     return True
+
+
+async def billing_id(js: JetStreamContext, store: IdempotencyStore, event: Event) -> str:
+    """What the ledger bills a run under: its idempotency key while the run holds that key (so
+    a key is billed once, whatever happens to request ids), else its request id."""
+    if event.tenant is None:
+        return event.request_id
+    subject = subjects.event_subject(event.request_id, "accepted")
+    try:
+        msg = await js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+    except NotFoundError:
+        return event.request_id
+    accepted = msgspec.json.decode(msg.data, type=RequestAccepted) if msg.data else None
+    key = accepted.request.idempotency_key if accepted is not None else None
+    if key is None:
+        return event.request_id
+    record = await store.lookup(event.tenant, key)
+    if record is None or record.request_id != event.request_id:
+        return event.request_id
+    return f"idem-{kv_key(event.tenant, key)[:32]}"

@@ -1,16 +1,19 @@
 """Ledger: every `completed`, `failed` or `cancelled` run is billed exactly once into DuckDB.
 
-The table's primary key is the billing key (tenant, request id, billing type) and rows go in
-with ON CONFLICT DO NOTHING, so a redelivered terminal event, or a second terminal event of the
-same run, bills nothing more; `billed` always repeats the stored row. DuckDB lets one process
-hold the file at a time, so each worker opens it per batch of rows and retries while another
-worker holds the lock.
+The table's primary key is the billing key (tenant, idempotency key or request id, billing
+type) and rows go in with ON CONFLICT DO NOTHING, so a redelivered terminal event, or a second
+terminal event of the same run, bills nothing more; `billed` always repeats the stored row.
+DuckDB lets one process hold the file at a time, so each worker opens it per batch of rows and
+retries while another worker holds the lock.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import anyio
 import anyio.to_thread
 import duckdb
 
+from schemas import subjects
 from schemas.events import (
     Event,
     RequestFailed,
@@ -27,7 +31,7 @@ from schemas.events import (
     Usage,
     decoder_for,
 )
-from stages import natsd
+from stages import idempotency, natsd, ratelimit
 from stages.runtime import StageContext, StageSpec
 
 STAGE = "ledger"
@@ -165,6 +169,9 @@ class LedgerWriter:
     path: Path
     _pending: list[_Slot] = field(default_factory=list)
     _flushing: bool = False
+    # Issue 4: bill under the idempotency key while the run holds it; settle rate reservations.
+    billing_id: Callable[[Terminal], Awaitable[str]] | None = None
+    limiter: ratelimit.RateLimiter | None = None
 
     async def record(self, row: Row) -> Row:
         """The stored row for `row`'s billing key once it is in the file."""
@@ -195,7 +202,14 @@ class LedgerWriter:
 
 
 async def handle(event: Terminal, writer: LedgerWriter) -> list[Event]:
-    stored = await writer.record(row_for(event))
+    row = row_for(event)
+    if writer.billing_id is not None:
+        key = billing_key(event.tenant, await writer.billing_id(event))
+        row = dataclasses.replace(row, billing_key=key)
+    stored = await writer.record(row)
+    if writer.limiter is not None:
+        used = event.usage.prompt_tokens + event.usage.completion_tokens
+        await writer.limiter.settle(event.request_id, used)
     return [
         RunBilled(
             request_id=event.request_id,
@@ -208,7 +222,14 @@ async def handle(event: Terminal, writer: LedgerWriter) -> list[Event]:
 
 
 async def setup(ctx: StageContext) -> LedgerWriter:
-    return LedgerWriter(default_path())
+    bus = ctx.bus
+    await bus.ensure_kv()
+    keys = idempotency.IdempotencyStore(await bus.kv(subjects.IDEMPOTENCY_BUCKET))
+    return LedgerWriter(
+        default_path(),
+        billing_id=functools.partial(idempotency.billing_id, bus.js, keys),
+        limiter=ratelimit.RateLimiter(await bus.kv(subjects.RATES_BUCKET)),
+    )
 
 
 def usage_by_tenant(path: Path | None = None, tenant: str | None = None) -> list[tuple]:
