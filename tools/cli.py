@@ -18,6 +18,7 @@ COMMANDS = [
     "tools.trace",
     "tools.replay",
     "tools.keys",
+    "tools.usage",
 ]
 BENCH = ["tools.bench_pipeline", "tools.bench_engine", "tools.bench_load"]
 
