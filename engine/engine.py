@@ -36,6 +36,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None -> the model's context length
+    # weights: "auto" (int4 weight-only for bf16 on the CPU, else dense), None, "int8", "int4"
+    quantization: str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -77,7 +79,7 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.model, self.model_config = load_model(
-            config.model, dtype=self.dtype, device=self.device
+            config.model, dtype=self.dtype, device=self.device, quantization=config.quantization
         )
         self.tokenizer = load_tokenizer(config.model)
         limit = self.model_config.max_position_embeddings

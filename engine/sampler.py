@@ -61,14 +61,29 @@ def apply_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
-    """Keep the smallest set of tokens whose probability mass reaches `top_p[i]`."""
-    sorted_logits, order = logits.sort(dim=-1, descending=False)  # ascending
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum <= (1.0 - top_p)[:, None]
-    drop[:, -1] = False  # the most likely token always stays
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+TOP_P_CANDIDATES = (256, 4096)  # top-p ranks this many likely tokens before the whole vocab
+
+
+def apply_top_p(
+    logits: Tensor, top_p: Tensor, candidates: tuple[int, ...] = TOP_P_CANDIDATES
+) -> Tensor:
+    """Keep the smallest set of most likely tokens whose probability mass reaches `top_p[i]`.
+
+    A token stays when the mass of the tokens more likely than it is below p. Only the top
+    `candidates[0]` tokens are ranked at first (sorting the whole vocabulary costs ~25x more);
+    while some row's candidates hold less than its p, the next, larger candidate count is tried,
+    and finally the whole vocabulary. The result is exact either way.
+    """
+    probs = logits.softmax(dim=-1)
+    vocab = logits.shape[-1]
+    for k in [min(c, vocab) for c in candidates] + [vocab]:
+        top_probs, top_ids = probs.topk(k, dim=-1)  # [n, k], descending
+        cum = top_probs.cumsum(dim=-1)
+        if k == vocab or bool((cum[:, -1] >= top_p).all()):
+            break
+    keep = (cum - top_probs) < top_p[:, None]  # [n, k]; the top token always stays
+    kept = logits.gather(1, top_ids).masked_fill(~keep, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, top_ids, kept)
 
 
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
@@ -78,12 +93,18 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def draw(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
-    """One token per row: argmax(p / E) with E ~ Exp(1) is a draw from p (exponential race)."""
-    race = torch.empty_like(probs)
-    for i, gen in enumerate(generators):
-        race[i].exponential_(generator=gen)
-    return (probs / race).argmax(dim=-1)
+def draw(logits: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """One token per row of `logits` (overwritten) by inverse CDF: a uniform from the row's own
+    generator, then one batched search of the rows' unnormalized cumulative distributions.
+
+    Done in place on purpose: a fresh [n, vocab] tensor per operation costs more than the math.
+    """
+    weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # softmax * const
+    cdf = torch.cumsum(weights, dim=-1, out=weights)  # [n, vocab]
+    u = torch.stack([torch.rand((), generator=g, device=logits.device) for g in generators])
+    target = (u * cdf[:, -1])[:, None]  # [n, 1], in [0, total)
+    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(1)  # first cdf > target
+    return token_ids.clamp_max(logits.shape[-1] - 1)
 
 
 def top_logprobs(
@@ -129,12 +150,15 @@ def sample(
         for i, r in enumerate(requests):
             if r.stop_ids_while_short:
                 logits[i, list(r.stop_ids_while_short)] = float("-inf")
-    token_ids = logits.argmax(dim=-1)  # [n]; the answer for greedy rows
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    all_random = len(random_rows) == len(params)
+    # [n]; the answer for greedy rows
+    token_ids = None if all_random else logits.argmax(dim=-1)
     if random_rows:
         rows = torch.tensor(random_rows, device=dev)
         sub = [params[i] for i in random_rows]
-        x = logits[rows] / torch.tensor([p.temperature for p in sub], device=dev)[:, None]
+        temperature = torch.tensor([p.temperature for p in sub], device=dev)[:, None]
+        x = (logits if all_random else logits[rows]) / temperature  # a copy: draw() works in place
         if any(p.top_k is not None for p in sub):
             vocab = x.shape[-1]
             top_k = [min(p.top_k or vocab, vocab) for p in sub]
@@ -143,8 +167,8 @@ def sample(
             x = apply_top_p(x, torch.tensor([p.top_p for p in sub], device=dev))
         if any(p.min_p > 0.0 for p in sub):
             x = apply_min_p(x, torch.tensor([p.min_p for p in sub], device=dev))
-        drawn = draw(x.softmax(dim=-1), [requests[i].generator for i in random_rows])
-        token_ids = token_ids.index_copy(0, rows, drawn)
+        drawn = draw(x, [requests[i].generator for i in random_rows])
+        token_ids = drawn if all_random else token_ids.index_copy(0, rows, drawn)
     logprobs = None
     if any(p.logprobs is not None for p in params):
         logprobs = top_logprobs(raw, token_ids, requests)

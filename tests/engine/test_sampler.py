@@ -114,3 +114,11 @@ def test_logprobs_sampled_first_then_top_n_from_raw_distribution():
     assert [t for t, _ in lps[0]] == [1, 0, 1]
     assert [v for _, v in lps[0]] == pytest.approx([raw[1], raw[0], raw[1]])
     assert math.isclose(sum(math.exp(v) for v in raw), 1.0, rel_tol=1e-6)
+
+
+def test_top_p_widens_its_candidates_until_exact():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.7, 0.1, 0.1, 0.1]])
+    p = torch.tensor([0.85, 0.5])
+    narrow = apply_top_p(probs.log(), p, candidates=(1, 2))  # 2 candidates miss row 0's 0.85
+    assert torch.equal(narrow, apply_top_p(probs.log(), p))
+    assert torch.isinf(narrow).tolist() == [[False, False, False, True], [False, True, True, True]]
