@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import msgspec
@@ -22,7 +21,7 @@ import uvicorn
 from nats.js.errors import NotFoundError
 from starlette.applications import Starlette
 from starlette.requests import HTTPConnection, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
 from schemas import subjects
@@ -30,8 +29,6 @@ from schemas.events import (
     AnyEvent,
     CancelRequested,
     RequestFailed,
-    RunCancelled,
-    RunCompleted,
     Submit,
     TextGenerated,
     decode_event,
@@ -43,18 +40,7 @@ from stages.bus import MSG_ID_HEADER, Bus
 from stages.edge_keys import Caller, KeyRing
 from stages.edge_metrics import EdgeMetrics
 from stages.idempotency import IdempotencyConflict, IdempotencyStore, request_hash
-from stages.openai_compat import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    RequestError,
-    chat_chunk,
-    completion_chunk,
-    decode_body,
-    error_body,
-    full_response,
-    to_submit,
-    usage_chunk,
-)
+from stages.openai_compat import RequestError, error_body
 from stages.ratelimit import estimate_prompt_tokens
 from stages.runstate import RunStates
 from stages.runtime import StageError
@@ -251,151 +237,8 @@ def reserved_tokens(submit: Submit) -> int:
     return estimate_prompt_tokens([t for t in texts if t]) + submit.max_tokens
 
 
-def sse(body: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(body) + b"\n\n"
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(
-            "too_large", f"body is {declared} bytes; at most {limit} (BRIGADE_EDGE_MAX_BODY)"
-        )
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError("too_large", f"body exceeds {limit} bytes (BRIGADE_EDGE_MAX_BODY)")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-class OpenAIRoutes:
-    """POST /v1/chat/completions and /v1/completions, streamed (SSE) or not."""
-
-    def __init__(self, edge: Edge) -> None:
-        self.edge = edge
-
-    async def chat(self, request: Request) -> Response:
-        return await self._serve(request, ChatCompletionRequest)
-
-    async def completions(self, request: Request) -> Response:
-        return await self._serve(request, CompletionRequest)
-
-    async def _serve(self, request: Request, kind: type) -> Response:
-        edge = self.edge
-        try:
-            caller = edge.authenticate(request)
-            body = decode_body(await read_body(request, edge.config.max_body_bytes), kind)
-            key = request.headers.get("idempotency-key")
-            submit = to_submit(body, **({"idempotency_key": key} if key else {}))
-            watch = await edge.open_run(caller, submit)
-        except RequestError as err:
-            return error_response(err)
-        chat = kind is ChatCompletionRequest
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await self._stream(caller, watch, chat, body.model, include_usage)
-        return await self._whole(request, caller, watch, chat, body.model)
-
-    async def _whole(
-        self, request: Request, caller: Caller, watch: RunWatch, chat: bool, model: str
-    ) -> Response:
-        texts: list[str] = []
-        timeout: RequestError | None = None
-        async with anyio.create_task_group() as tg:
-
-            async def on_disconnect() -> None:
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(on_disconnect)
-            try:
-                async for delta in self.edge.deltas(watch):
-                    texts.append(delta.text)
-            except TimeoutError as err:
-                timeout = RequestError("timeout", str(err))
-            finally:
-                tg.cancel_scope.cancel()
-                if watch.terminal is None:
-                    why = "disconnect" if timeout is None else "timeout"
-                    await self.edge.cancel(caller, watch.request_id, why)
-                with anyio.CancelScope(shield=True):
-                    await watch.close()
-        if timeout is not None:
-            return error_response(timeout)
-        term = watch.terminal
-        if term is None:
-            return Response(status_code=499)  # the client left; nobody reads this
-        if isinstance(term, RequestFailed):
-            return error_response(failure_error(term))
-        reason = term.finish_reason if isinstance(term, RunCompleted) else "cancelled"
-        body = full_response(chat, watch.request_id, _created(term), model, "".join(texts),
-                             reason, term.usage)  # fmt: skip
-        return JSONResponse(body, headers={"X-Request-Id": watch.request_id})
-
-    async def _stream(
-        self, caller: Caller, watch: RunWatch, chat: bool, model: str, include_usage: bool
-    ) -> Response:
-        deltas = self.edge.deltas(watch)
-        try:
-            first = await anext(deltas, None)
-        except TimeoutError as err:
-            await watch.close()
-            return error_response(RequestError("timeout", str(err)))
-        if first is None and isinstance(watch.terminal, RequestFailed):
-            await watch.close()
-            return error_response(failure_error(watch.terminal))
-        rid, created = watch.request_id, int(time.time())
-
-        def chunk(text: str, reason: str | None) -> bytes:
-            if chat:
-                return sse(chat_chunk(rid, created, model, {"content": text}, reason))
-            return sse(completion_chunk(rid, created, model, text, reason))
-
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                if chat:
-                    yield sse(
-                        chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None)
-                    )
-                if first is not None and first.text:
-                    yield chunk(first.text, None)
-                async for delta in deltas:
-                    if delta.text:
-                        yield chunk(delta.text, None)
-                term = watch.terminal
-                if isinstance(term, RequestFailed):
-                    yield sse(error_body(failure_error(term)))
-                elif term is not None:
-                    reason = term.finish_reason if isinstance(term, RunCompleted) else "cancelled"
-                    yield (
-                        sse(chat_chunk(rid, created, model, {}, reason))
-                        if chat
-                        else chunk("", reason)
-                    )
-                    if include_usage:
-                        yield sse(usage_chunk(chat, rid, created, model, term.usage))
-                yield b"data: [DONE]\n\n"
-            except TimeoutError as err:
-                yield sse(error_body(RequestError("timeout", str(err))))
-            finally:
-                if watch.terminal is None:
-                    await self.edge.cancel(caller, rid, "disconnect")
-                with anyio.CancelScope(shield=True):
-                    await deltas.aclose()
-                    await watch.close()
-
-        headers = {"X-Request-Id": rid, "Cache-Control": "no-cache"}
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-
-
-def _created(term: RunCompleted | RunCancelled) -> int:
-    return int((term.ts_ns or time.time_ns()) // 1_000_000_000)
-
-
 def build_app(edge: Edge) -> Starlette:
+    from stages.edge_openai import OpenAIRoutes
     from stages.edge_runs import RunRoutes
     from stages.edge_ws import stream_socket
 
