@@ -1,0 +1,81 @@
+"""`brigade stage NAME`: one service of the pipeline, exactly as compose runs it.
+
+A stage module `stages/<name>.py` offers either `SPEC` (a runtime.StageSpec, served by the shared
+runtime) or `async def serve(*, config, stop, ready)` (its own loop on the same runtime parts).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+
+# The request's path, in order; `brigade up` and compose run every one of these.
+PIPELINE = ("gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger")
+# Services beside the path, run when their module exists.
+EXTRAS = ("edge", "archiver")
+
+
+def available() -> tuple[str, ...]:
+    """Every stage whose module is present, pipeline first."""
+    return tuple(
+        name for name in PIPELINE + EXTRAS if importlib.util.find_spec(f"stages.{name}") is not None
+    )
+
+
+def command(name: str) -> list[str]:
+    """The command line that runs one stage: what compose, `up --procs` and the tests start."""
+    return ["brigade", "stage", name]
+
+
+async def serve_stage(name: str, *, config, stop, ready=None) -> None:
+    """Serve stage `name` until `stop` is set; `ready` is set once it consumes its input."""
+    from stages import runtime
+
+    module = importlib.import_module(f"stages.{name}")
+    serve = getattr(module, "serve", None)
+    if serve is not None:
+        await serve(config=config, stop=stop, ready=ready)
+        return
+    spec = getattr(module, "SPEC", None)
+    if spec is None:
+        raise RuntimeError(f"stages/{name}.py defines neither SPEC nor serve()")
+    await runtime.serve(spec, config=config, stop=stop, ready=ready)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("stage", help="run one service of the pipeline (as compose does)")
+    p.add_argument("name", help=f"one of: {', '.join(PIPELINE + EXTRAS)}")
+    p.add_argument("--nats-url", help="NATS server(s), comma-separated (default: $NATS_URL)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.name not in available():
+        known = ", ".join(available())
+        print(
+            f"brigade stage: unknown stage {args.name!r}; choose one of: {known}", file=sys.stderr
+        )
+        return 2
+    import anyio
+
+    from stages.bus import BusConfig
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = BusConfig.from_env(args.nats_url)
+    except (RuntimeError, ValueError) as err:
+        print(f"brigade stage {args.name}: {err}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        stop = anyio.Event()
+        await serve_stage(args.name, config=config, stop=stop)
+
+    anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
+    return 0
