@@ -7,11 +7,7 @@ tail that could still become a stop string are held back; the `finished` flush r
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Protocol
-
-import anyio
 
 from schemas.events import (
     CancelRequested,
@@ -24,14 +20,12 @@ from schemas.events import (
     decoder_for,
 )
 from stages import runtime
-from stages.bus import BusConfig
 from stages.runtime import StageSpec
 
 STAGE = "detokenize"
 INPUTS = ("tokens", "finished")
 REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode writes for bytes that are not (yet) a character
 MAX_UTF8_TOKENS = 3  # a character has at most 4 bytes, so at most 3 tokens hold a cut-off start
-DEFAULT_MODEL = "smollm2-135m"  # BRIGADE_MODEL overrides: the tokenizer must match the engine's
 LATE_TOKENS = 32  # tokens the engine may still generate after a stop string, before it aborts
 
 
@@ -161,51 +155,23 @@ class Detokenizer:
         )
 
 
-@functools.cache
-def _detokenizer(model: str) -> Detokenizer:
-    from engine.tokenizer import load_tokenizer
-
-    return Detokenizer(load_tokenizer(model))
-
-
 async def _setup(ctx: runtime.StageContext) -> Detokenizer:
-    return _detokenizer(os.environ.get("BRIGADE_MODEL", DEFAULT_MODEL))
+    from stages.tokenize import served_model, tokenizer_for  # the engine's model, as tokenize
+
+    return Detokenizer(tokenizer_for(served_model()))
 
 
 def _handle(event: Event, state: Detokenizer) -> list[Event]:
     return state.handle(event)
 
 
-# Two durables, one per input: `tokens` deltas and the `finished` flush are independent (each
-# event is handled alone), so they need no ordering between them. Cancelled runs are not skipped:
-# their `finished` event must still become `cancelled`.
-SPECS = (
-    StageSpec(
-        name=STAGE,
-        input_event="tokens",
-        decoder=decoder_for(TokensGenerated),
-        handle=_handle,
-        setup=_setup,
-        skip_cancelled=False,
-    ),
-    StageSpec(
-        name=f"{STAGE}-flush",
-        input_event="finished",
-        decoder=decoder_for(RunFinished),
-        handle=_handle,
-        setup=_setup,
-        skip_cancelled=False,
-    ),
+# One durable over both inputs: each event is handled alone, so `tokens` and `finished` need no
+# order between them. Cancelled runs are not skipped: their `finished` must become `cancelled`.
+SPEC = StageSpec(
+    name=STAGE,
+    input_event=INPUTS,
+    decoder=decoder_for(TokensGenerated, RunFinished),
+    handle=_handle,
+    setup=_setup,
+    skip_cancelled=False,
 )
-
-
-async def serve(*, config: BusConfig, stop: anyio.Event, ready: anyio.Event | None = None) -> None:
-    """Both workers of this stage until `stop`; `ready` is set once both consume."""
-    readies = [anyio.Event() for _ in SPECS]
-    async with anyio.create_task_group() as tg:
-        for spec, one in zip(SPECS, readies, strict=True):
-            tg.start_soon(lambda s=spec, r=one: runtime.serve(s, config=config, stop=stop, ready=r))
-        for one in readies:
-            await one.wait()
-        if ready is not None:
-            ready.set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import sys
 
@@ -29,19 +30,25 @@ def command(name: str) -> list[str]:
     return ["brigade", "stage", name]
 
 
-async def serve_stage(name: str, *, config, stop, ready=None) -> None:
-    """Serve stage `name` until `stop` is set; `ready` is set once it consumes its input."""
+async def serve_stage(name: str, *, config, stop, ready=None, handle_signals=True) -> None:
+    """Serve stage `name` until `stop` is set; `ready` is set once it consumes its input.
+
+    `handle_signals=False` when several stages share a process and its owner handles signals.
+    """
     from stages import runtime
 
     module = importlib.import_module(f"stages.{name}")
     serve = getattr(module, "serve", None)
     if serve is not None:
-        await serve(config=config, stop=stop, ready=ready)
+        kwargs = {"config": config, "stop": stop, "ready": ready}
+        if "handle_signals" in inspect.signature(serve).parameters:
+            kwargs["handle_signals"] = handle_signals
+        await serve(**kwargs)
         return
     spec = getattr(module, "SPEC", None)
     if spec is None:
         raise RuntimeError(f"stages/{name}.py defines neither SPEC nor serve()")
-    await runtime.serve(spec, config=config, stop=stop, ready=ready)
+    await runtime.serve(spec, config=config, stop=stop, ready=ready, handle_signals=handle_signals)
 
 
 def register(subparsers) -> None:

@@ -198,3 +198,43 @@ def test_visible_cuts_at_the_earliest_stop_and_holds_back_prefixes():
     assert visible("abc EN", ["END"], final=False) == ("abc ", False)
     assert visible("abc EN", ["END"], final=True) == ("abc EN", False)
     assert visible("abc", [], final=False) == ("abc", False)
+
+
+@pytest.mark.anyio
+async def test_stage_on_a_real_bus_publishes_texts_cancel_and_completed(bus_config) -> None:
+    """Out-of-order `tokens` and `finished` through the served stage: exact outputs, one each."""
+    import anyio
+
+    from schemas import subjects
+    from schemas.events import decode_event
+    from stages import detokenize, runtime
+    from stages.bus import Bus
+
+    bus = await Bus.connect(bus_config)
+    await bus.ensure_streams()
+    sub = await bus.nc.subscribe(subjects.request_events("r1"))
+    stop, ready = anyio.Event(), anyio.Event()
+    events = run_events(STOP_TEXT, stop=("STOP",), finish_reason="stop")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: runtime.serve(
+                detokenize.SPEC, config=bus_config, stop=stop, ready=ready, handle_signals=False
+            )
+        )
+        await ready.wait()
+        for event in reversed(events):
+            await bus.publish(event)
+        got: dict[str, list] = {}
+        with anyio.fail_after(20):
+            while len(got.get("text", [])) < 7 or "completed" not in got:
+                event = decode_event((await sub.next_msg(timeout=20)).data)
+                got.setdefault(type(event).__struct_config__.tag, []).append(event)
+        stop.set()
+    await sub.unsubscribe()
+    await bus.close()
+    texts_by_seq = sorted((t.seq, t.text) for t in got["text"])
+    assert texts_by_seq == [(0, "The"), (1, " end"), (2, "."), (3, " "), (4, ""), (5, ""), (6, "")]
+    assert [(c.reason, c.seq) for c in got["cancel"]] == [("stop_string", 4)]
+    (done,) = got["completed"]
+    assert (done.finish_reason, done.last_seq, done.seed) == ("stop", 6, 7)
+    assert all(t.service_ns > 0 and t.ts_ns > 0 for t in got["text"])
