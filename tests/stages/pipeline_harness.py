@@ -1,0 +1,43 @@
+"""The whole pipeline in one test process: a private nats-server, every stage, and the edge."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+
+from stages import natsd
+from stages.bus import BusConfig
+from stages.edge_keys import KeyRing
+from tests.stages.edge_harness import MODEL, RunningEdge, running_edge
+from tools.stage import PIPELINE, serve_stage
+
+
+@asynccontextmanager
+async def running_pipeline(
+    data_dir: Path, keys: KeyRing, **edge_overrides
+) -> AsyncIterator[tuple[RunningEdge, BusConfig]]:
+    server = natsd.start(data_dir / "nats")
+    config = BusConfig(servers=(server.url,), ack_wait_s=5.0, max_deliver=3)
+    stop = anyio.Event()
+    try:
+        async with anyio.create_task_group() as tg:
+            for name in PIPELINE:
+                ready = anyio.Event()
+                tg.start_soon(
+                    lambda n=name, r=ready: serve_stage(
+                        n, config=config, stop=stop, ready=r, handle_signals=False
+                    )
+                )
+                with anyio.fail_after(120):
+                    await ready.wait()
+            async with running_edge(config, keys, **edge_overrides) as edge:
+                yield edge, config
+            stop.set()
+    finally:
+        natsd.stop(server)
+
+
+__all__ = ["MODEL", "running_pipeline"]
