@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -21,6 +22,12 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--out", default=".brigade/bench", help="directory for engine.md/engine.json")
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=("auto", "none", "int8", "int4"),
+        help="weights (auto: int4 for bf16 on the CPU)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the mixed workload")
     p.add_argument("--quick", action="store_true", help="short run: smaller workload, 1 repeat")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers run")
@@ -40,25 +47,35 @@ def make_workload(n: int, seed: int, vocab: int, prompt_lens, output_lens):
 
 
 class Timed:
-    """Counts the engine's steps and the time spent inside the model runner."""
+    """Steps an engine and splits its time: inside the model runner vs everything else
+    (schedule, sample, update), in process CPU time so other processes do not blur it."""
 
     def __init__(self, engine) -> None:
-        self.engine, self.runner_s, self.steps, self.step_s = engine, 0.0, 0, 0.0
+        self.engine = engine
+        self.runner_cpu = self.step_cpu = 0.0
+        self.steps = 0
+        self.decode_only_s, self.decode_only_tokens = 0.0, 0
         self.used_blocks: list[int] = []
+        self._decode_only = False
         run = engine.runner.run
 
         def timed_run(scheduled):
-            t = time.perf_counter()
+            self._decode_only = all(s.num_new_tokens == 1 for s in scheduled)
+            t = time.process_time()
             out = run(scheduled)
-            self.runner_s += time.perf_counter() - t
+            self.runner_cpu += time.process_time() - t
             return out
 
         engine.runner.run = timed_run
 
     def step(self):
-        t = time.perf_counter()
+        self._decode_only = False
+        t, c = time.perf_counter(), time.process_time()
         outs = self.engine.step()
-        self.step_s += time.perf_counter() - t
+        self.step_cpu += time.process_time() - c
+        if self._decode_only:  # a step of decodes only: no prompt tokens in it
+            self.decode_only_s += time.perf_counter() - t
+            self.decode_only_tokens += sum(len(o.new_token_ids) for o in outs)
         self.steps += 1
         bm = self.engine.block_manager
         self.used_blocks.append(bm.num_blocks - bm.num_free_blocks)
@@ -82,13 +99,19 @@ def run_workload(engine, workload, concurrency: int, static: bool, params_for) -
             generated += len(out.new_token_ids)
             in_flight -= out.finished
     wall = time.perf_counter() - t0
+    decode_s = timed.decode_only_s
     return {
         "requests": len(workload),
         "generated_tokens": generated,
         "wall_s": round(wall, 2),
         "tok_per_s": round(generated / wall, 1),
+        "decode_only_tok_per_s": round(timed.decode_only_tokens / decode_s, 1)
+        if decode_s
+        else None,
         "steps": timed.steps,
-        "overhead_ms_per_step": round(1000 * (timed.step_s - timed.runner_s) / timed.steps, 2),
+        "overhead_cpu_ms_per_step": round(
+            1000 * (timed.step_cpu - timed.runner_cpu) / timed.steps, 2
+        ),
         "peak_blocks": max(timed.used_blocks),
         "mean_blocks": round(statistics.fmean(timed.used_blocks), 1),
     }
@@ -159,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
     from engine.kv_cache import estimate_kv_bytes
 
     quick = args.quick
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
+    quantization = None if args.quantization == "none" else args.quantization
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, quantization=quantization))
     mc, vocab = engine.model_config, engine.model_config.vocab_size
     res: dict = {
         "model": args.model,
@@ -168,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "quick": quick,
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
     }
     print("prefill ...", flush=True)
     res["prefill_tok_per_s"] = bench_prefill(engine, vocab, repeats=1 if quick else 2)
@@ -224,7 +249,8 @@ def markdown(res: dict) -> str:
     lines = [
         f"Engine benchmark: {res['model']} {res['dtype']} ({q} weights), "
         f"{res['threads']} threads, max_num_batched_tokens {res['max_num_batched_tokens']}"
-        + (" (quick run)" if res["quick"] else ""),
+        + (" (quick run)" if res["quick"] else "")
+        + f"; load average at start {res['load_average_at_start']}",
         "",
         "| measure | value |",
         "|---|---|",
@@ -241,8 +267,9 @@ def markdown(res: dict) -> str:
         mode, c = key.split("_")
         lines.append(
             f"| {mode} batching, {c} concurrent ({r['requests']} requests) | {r['tok_per_s']} "
-            f"tok/s ({r['generated_tokens']} tokens in {r['wall_s']} s, {r['steps']} steps, "
-            f"{r['overhead_ms_per_step']} ms/step outside the model runner) |"
+            f"tok/s ({r['generated_tokens']} tokens in {r['wall_s']} s, {r['steps']} steps); "
+            f"decode-only steps {r['decode_only_tok_per_s']} tok/s; outside the model runner "
+            f"{r['overhead_cpu_ms_per_step']} CPU ms/step |"
         )
         if mode == "static":
             ratio = res["batching"][f"continuous_{c}"]["tok_per_s"] / r["tok_per_s"]

@@ -171,3 +171,23 @@ def test_smollm2_greedy_same_alone_and_batched_with_chunks_and_preemption():
     assert engine.stats().num_preemptions > 0  # 160 KV slots for ~90 prompt + 64 new tokens
     assert batched == alone(engine, toks, params)
     assert tok.decode(batched[0]).strip().startswith("Paris")
+
+
+def test_min_tokens_masks_stop_ids_until_reached(tiny_dir):
+    engine = tiny_engine(tiny_dir)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    free, _ = run_all(engine, [[5, 6, 7]], greedy, ["free"])
+    stop = free[0][0]  # the first greedy token becomes a stop id
+    stopped, _ = run_all(
+        engine, [[5, 6, 7]], dataclasses.replace(greedy, stop_token_ids=(stop,)), ["s"]
+    )
+    assert stopped[0] == [stop]
+    held = dataclasses.replace(greedy, stop_token_ids=(stop,), min_tokens=3)
+    engine.add_request("held", [5, 6, 7], held)
+    got, reason = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got += o.new_token_ids
+            reason = o.finish_reason
+    assert stop not in got[:3] and len(got) >= 3
+    assert (reason == "stop") == (stop in got) and (got[-1] == stop or len(got) == 6)
