@@ -154,6 +154,8 @@ class Engine:
         return seed
 
     def step(self) -> list[StepOutput]:
+        """One iteration: schedule -> run -> sample -> update. Outputs only for requests that
+        got a token or ended (aborts since the last step first)."""
         outputs, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         if batch.is_empty:
@@ -164,7 +166,7 @@ class Engine:
             requests = [self._sampling_request(s.seq) for s in batch.scheduled if s.samples]
             token_ids, logprobs = sample(logits, requests)
         updated = self.scheduler.update(batch, token_ids, logprobs, self.model_config.eos_token_id)
-        return outputs + [self._output(seq) for seq in updated]
+        return outputs + [self._emit(seq) for seq in updated]
 
     def _sampling_request(self, seq: Sequence) -> SamplingRequest:
         p = seq.params
@@ -181,7 +183,8 @@ class Engine:
             stop_ids_while_short=stop_ids,
         )
 
-    def _output(self, seq: Sequence) -> StepOutput:
+    def _emit(self, seq: Sequence) -> StepOutput:
+        """The output of a sequence that just got a token; a finished one is forgotten."""
         if seq.is_finished:
             del self._seqs[seq.request_id]
             del self._generators[seq.request_id]

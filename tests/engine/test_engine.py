@@ -191,3 +191,12 @@ def test_min_tokens_masks_stop_ids_until_reached(tiny_dir):
             reason = o.finish_reason
     assert stop not in got[:3] and len(got) >= 3
     assert (reason == "stop") == (stop in got) and (got[-1] == stop or len(got) == 6)
+
+
+def test_engine_config_is_validated():
+    with pytest.raises(ValueError, match=r"EngineConfig.dtype='fp8'; allowed: \['bfloat16'"):
+        EngineConfig(dtype="fp8")
+    with pytest.raises(ValueError, match="EngineConfig.block_size=0; allowed: >= 1"):
+        EngineConfig(block_size=0)
+    with pytest.raises(ValueError, match="EngineConfig.num_kv_blocks=0; allowed: None or >= 1"):
+        EngineConfig(num_kv_blocks=0)
