@@ -35,9 +35,11 @@ deltas, and `ctx.cancels.on_cancel(callback)` to abort work.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
+import os
 import re
 import signal
 import time
@@ -207,10 +209,31 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+ACK_WAIT_ENV = "BRIGADE_ACK_WAIT_S"  # every stage's ack_wait (redelivery after a crash)
+MAX_DELIVER_ENV = "BRIGADE_MAX_DELIVER"
+
+
+def with_env_overrides(spec: StageSpec) -> StageSpec:
+    """Operators (and tests) may shorten or lengthen redelivery for every stage at once."""
+    changes: dict[str, Any] = {}
+    for env, name, cast in (
+        (ACK_WAIT_ENV, "ack_wait_s", float),
+        (MAX_DELIVER_ENV, "max_deliver", int),
+    ):
+        value = os.environ.get(env)
+        if value:
+            try:
+                changes[name] = cast(value)
+            except ValueError as err:
+                raise ValueError(f"{env}={value!r}: {err}") from err
+    return dataclasses.replace(spec, **changes) if changes else spec
+
+
 class StageWorker:
     """One worker of one stage: binds to the stage's shared durable and serves until stopped."""
 
     def __init__(self, spec: StageSpec, bus: Bus, *, fetch_timeout_s: float = 1.0) -> None:
+        spec = with_env_overrides(spec)
         self.spec = spec
         self.ctx = StageContext(bus=bus, spec=spec)
         self.fetch_timeout_s = fetch_timeout_s
