@@ -425,8 +425,11 @@ class StageWorker:
                         await limit.acquire()
                         work.start_soon(self._run_one, msg, limit)
             side.cancel_scope.cancel()
-        # Unsubscribe, not drain: nats.py's fetch takes from the pending queue without task_done,
-        # so a drain would wait forever. Anything still queued is redelivered after ack_wait.
+        await self.close()
+
+    async def close(self) -> None:
+        """Unsubscribe, not drain: nats.py's fetch takes from the pending queue without task_done,
+        so a drain would wait forever. Anything still queued is redelivered after ack_wait."""
         await self._sub.unsubscribe()
         await self._cancel_sub.unsubscribe()
         await self._gave_up_sub.unsubscribe()

@@ -1,0 +1,483 @@
+"""Engine stage: the synchronous engine core behind the bus.
+
+Pulls `tokenized` only while KV capacity allows (admission), runs step() in a worker thread,
+publishes each step's tokens pipelined, and acks a request's input only after its `finished`
+event is stored — so a killed worker's request is re-run (same seed) and dedupe drops repeats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import msgspec
+from nats.aio.msg import Msg
+
+from schemas import subjects
+from schemas.events import (
+    CancelRequested,
+    PromptTokenized,
+    RunFinished,
+    Sampling,
+    TokenLogprob,
+    TokensGenerated,
+    Usage,
+    decoder_for,
+)
+from stages.bus import BusConfig
+from stages.detokenize import context_window
+from stages.runtime import StageError, StageSpec, StageWorker
+
+STAGE = "engine"
+log = logging.getLogger("brigade.engine")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmissionConfig:
+    """When the stage pulls more work: never past these bounds (the rest waits in the durable,
+    where any other engine worker may take it)."""
+
+    max_active: int = 64  # requests held by this worker (running + waiting in the engine)
+    kv_watermark: float = 0.95  # no new work while this fraction of KV blocks is in use
+    max_fetch: int = 16  # messages per pull
+    drain_s: float = (
+        5.0  # on stop: how long running requests may finish before they are handed back
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_active < 1 or self.max_fetch < 1:
+            raise ValueError(f"max_active={self.max_active}, max_fetch={self.max_fetch}: >= 1")
+        if not 0.0 < self.kv_watermark <= 1.0:
+            raise ValueError(f"kv_watermark={self.kv_watermark}; allowed: 0 < x <= 1")
+
+
+def admission_room(
+    *, num_free_blocks: int, num_total_blocks: int, reserved_blocks: int, num_active: int,
+    config: AdmissionConfig,
+) -> int:  # fmt: skip
+    """How many `tokenized` messages to pull now (0: wait for capacity).
+
+    `reserved_blocks` are the blocks that admitted requests whose prompts are not computed yet
+    will take; they count as used, so a burst never oversubscribes the cache.
+    """
+    free = num_free_blocks - reserved_blocks
+    usage = 1.0 - free / num_total_blocks
+    if free <= 0 or usage >= config.kv_watermark or num_active >= config.max_active:
+        return 0
+    return min(config.max_fetch, config.max_active - num_active)
+
+
+def derived_seed(request_id: str) -> int:
+    """The seed of a request that gave none: fixed by its id, so a re-run samples the same."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1
+
+
+def sampling_params(sampling: Sampling, request_id: str) -> Any:
+    """Wire Sampling -> engine.SamplingParams; StageError naming the field when out of range."""
+    from engine import SamplingParams
+
+    try:
+        return SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            seed=derived_seed(request_id) if sampling.seed is None else sampling.seed,
+            max_tokens=sampling.max_tokens,
+            min_tokens=sampling.min_tokens,
+            stop_token_ids=tuple(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
+            logprobs=sampling.logprobs,
+        )
+    except ValueError as err:  # "SamplingParams.min_tokens=9 is invalid; allowed: ..."
+        text = str(err)
+        name = text.split("=", 1)[0].removeprefix("SamplingParams.") if "=" in text else None
+        raise StageError("invalid_request", text, field=name) from err
+
+
+@dataclass(eq=False, kw_only=True)
+class Run:
+    """One admitted request: its input message, its published deltas and its timings."""
+
+    msg: Msg
+    event: PromptTokenized
+    fetched_ns: int  # monotonic
+    window: int  # context tokens each `tokens` event carries
+    params: Any = None  # engine.SamplingParams
+    added_ns: int | None = None
+    first_token_ns: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_tokens_through: list[int] = field(default_factory=list)  # per seq: output count after it
+    pending: list[tuple[TokensGenerated, Any]] = field(default_factory=list)  # (event, ack future)
+    cancel: CancelRequested | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.event.request_id
+
+    @property
+    def next_seq(self) -> int:
+        return len(self.num_tokens_through)
+
+    @property
+    def stop_seq(self) -> int | None:
+        c = self.cancel
+        return c.seq if c is not None and c.reason == "stop_string" else None
+
+
+class EngineStage:
+    """The engine worker: a fetch loop (admission), a step loop, and a cancel subscription."""
+
+    def __init__(self, engine: Any, worker: StageWorker, admission: AdmissionConfig) -> None:
+        self.engine = engine
+        self.worker = worker
+        self.bus = worker.bus
+        self.admission = admission
+        self.runs: dict[str, Run] = {}
+        self._to_add: list[Run] = []
+        self._to_abort: set[str] = set()
+        self._work = anyio.Event()  # new work for the step loop
+        self._room = anyio.Event()  # capacity freed for the fetch loop
+        self._cancel_decoder = decoder_for(CancelRequested)
+
+    # ---- admission ----
+
+    def _room_now(self) -> int:
+        stats = self.engine.stats()
+        bm = self.engine.block_manager
+        reserved = sum(
+            bm.num_blocks_for(len(r.event.prompt_token_ids) + 1)
+            for r in self.runs.values()
+            if r.first_token_ns is None
+        )
+        return admission_room(
+            num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks,
+            reserved_blocks=reserved,
+            num_active=len(self.runs),
+            config=self.admission,
+        )
+
+    async def fetch_loop(self, stop: anyio.Event) -> None:
+        while not stop.is_set():
+            room = self._room_now()
+            if room == 0:
+                self._room = anyio.Event()
+                with anyio.move_on_after(0.5):
+                    await self._room.wait()
+                continue
+            for msg in await self.worker.fetch(room):
+                await self._admit(msg)
+
+    async def _admit(self, msg: Msg) -> None:
+        started = time.monotonic_ns()
+        try:
+            event: PromptTokenized = self.worker.decode(msg)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            failed = self.worker.invalid_event(msg.data, err)
+            await (self.worker.complete(msg, [failed], started) if failed else msg.ack())
+            return
+        rid = event.request_id
+        if rid in self.runs:  # a redelivery of a request this worker is still running
+            await msg.in_progress()
+            return
+        run = Run(
+            msg=msg, event=event, fetched_ns=started, window=context_window(event.sampling.stop)
+        )
+        if rid in self.worker.ctx.cancels:  # cancelled before it reached the engine
+            run.cancel = CancelRequested(request_id=rid, tenant=event.tenant)
+            await self._finish(
+                run, "abort", num_prompt_tokens=len(event.prompt_token_ids), seed=None
+            )
+            return
+        try:
+            run_params = sampling_params(event.sampling, rid)
+        except StageError as err:
+            await self.worker.fail(msg, event, err, started)
+            return
+        run.params = run_params
+        self.runs[rid] = run
+        self._to_add.append(run)
+        self._work.set()
+
+    def _add_pending(self) -> list[tuple[Run, StageError]]:
+        """Hand fetched requests to the engine (between steps only: the core is not thread-safe)."""
+        refused = []
+        for run in self._to_add:
+            priority = 1 if run.event.priority == "batch" else 0
+            try:
+                self.engine.add_request(
+                    run.request_id, run.event.prompt_token_ids, run.params, priority
+                )
+                run.added_ns = time.monotonic_ns()
+            except ValueError as err:
+                text = str(err)
+                code = (
+                    "context_length"
+                    if "max_model_len" in text or "KV blocks" in text
+                    else "invalid_request"
+                )
+                refused.append((run, StageError(code, text, field="prompt_token_ids")))
+        self._to_add = []
+        return refused
+
+    # ---- cancellation ----
+
+    async def watch_cancels(self) -> None:
+        sub = await self.bus.nc.subscribe(subjects.all_events("cancel"))
+        try:
+            async for msg in sub.messages:
+                try:
+                    cancel = self._cancel_decoder.decode(msg.data)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                run = self.runs.get(cancel.request_id)
+                if run is None or run.cancel is not None:
+                    continue  # unknown, finished, or already cancelled: late cancels are harmless
+                run.cancel = cancel
+                self._to_abort.add(cancel.request_id)
+                self._work.set()
+        finally:
+            await sub.unsubscribe()
+
+    # ---- stepping ----
+
+    async def step_loop(self, stop: anyio.Event, tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            for run, err in self._add_pending():
+                del self.runs[run.request_id]
+                tg.start_soon(self.worker.fail, run.msg, run.event, err, run.fetched_ns)
+            for rid in self._to_abort:
+                self.engine.abort_request(rid)  # frees its KV blocks now; reported by step()
+            self._to_abort.clear()
+            if not self.engine.has_unfinished_requests():
+                if stop.is_set() and not self._to_add:
+                    return
+                self._work = anyio.Event()
+                with anyio.move_on_after(0.5):
+                    await self._work.wait()
+                continue
+            began = time.monotonic_ns()
+            try:
+                outputs = await anyio.to_thread.run_sync(self.engine.step)
+            except Exception as err:  # noqa: BLE001 - a broken step fails what it was running
+                log.exception("engine step failed")
+                self._fail_all(tg, f"the engine step failed: {type(err).__name__}: {err}")
+                continue
+            took = time.monotonic_ns() - began
+            stats = self.engine.stats()
+            for out in outputs:
+                run = self.runs.get(out.request_id)
+                if run is not None:
+                    await self._on_output(run, out, took, stats, tg)
+            self._room.set()
+
+    def _fail_all(self, tg: anyio.abc.TaskGroup, message: str) -> None:
+        for rid, run in list(self.runs.items()):
+            self.engine.abort_request(rid)
+            del self.runs[rid]
+            tg.start_soon(
+                self.worker.fail,
+                run.msg,
+                run.event,
+                StageError("internal", message),
+                run.fetched_ns,
+            )
+
+    async def _on_output(
+        self, run: Run, out: Any, took_ns: int, stats: Any, tg: anyio.abc.TaskGroup
+    ) -> None:
+        if out.new_token_ids and run.stop_seq is None:
+            now = time.monotonic_ns()
+            run.first_token_ns = run.first_token_ns or now
+            logprobs = None
+            if out.new_logprobs is not None:
+                logprobs = [[TokenLogprob(t, lp) for t, lp in step] for step in out.new_logprobs]
+            event = TokensGenerated(
+                request_id=run.request_id,
+                tenant=run.event.tenant,
+                service_ns=took_ns,
+                seq=run.next_seq,
+                token_ids=list(out.new_token_ids),
+                context_token_ids=run.output_ids[-run.window :] if run.window else [],
+                stop=run.event.sampling.stop,
+                logprobs=logprobs,
+                num_waiting=stats.num_waiting,
+                num_running=stats.num_running,
+                kv_usage=round(stats.kv_usage, 4),
+            )
+            run.output_ids.extend(out.new_token_ids)
+            run.num_tokens_through.append(len(run.output_ids))
+            run.pending.append((event, await self.bus.publish_async(event)))
+        if out.finished:
+            del self.runs[run.request_id]
+            tg.start_soon(self._finish, run, out.finish_reason, out.num_prompt_tokens, out.seed)
+
+    async def _finish(
+        self, run: Run, reason: str, num_prompt_tokens: int, seed: int | None
+    ) -> None:
+        """Make sure every delta is stored, store `finished`, then ack the input."""
+        try:
+            for event, future in run.pending:
+                try:
+                    await future
+                except Exception:  # noqa: BLE001 - a lost pipelined ack: publish it once more
+                    await self.bus.publish(event)
+            finished = self._finished_event(run, reason, num_prompt_tokens, seed)
+            await self.bus.publish(finished)
+            await run.msg.ack()
+        except Exception:  # noqa: BLE001 - unacked, the input comes back and is re-run
+            log.exception("could not store the end of %s; it will be redelivered", run.request_id)
+        finally:
+            self._room.set()
+
+    def _finished_event(
+        self, run: Run, reason: str, num_prompt_tokens: int, seed: int | None
+    ) -> RunFinished:
+        now = time.monotonic_ns()
+        last_seq = run.next_seq - 1 if run.next_seq else None
+        num_out = len(run.output_ids)
+        cancel_reason = None
+        stop_seq = run.stop_seq
+        if stop_seq is not None and stop_seq < run.next_seq:  # a stop string ended the text
+            reason, last_seq, num_out = "stop", stop_seq, run.num_tokens_through[stop_seq]
+        elif reason == "abort":
+            cancel_reason = run.cancel.reason if run.cancel is not None else "client"
+        added = run.added_ns or now
+        first = run.first_token_ns or now
+        ids = run.output_ids[:num_out]
+        return RunFinished(
+            request_id=run.request_id,
+            tenant=run.event.tenant,
+            service_ns=now - added,
+            finish_reason=reason,  # type: ignore[arg-type]
+            usage=Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_out),
+            last_seq=last_seq,
+            context_token_ids=ids[-run.window :] if run.window else [],
+            stop=run.event.sampling.stop,
+            seed=seed,
+            queue_ns=added - run.fetched_ns,
+            prefill_ns=first - added,
+            decode_ns=now - first,
+            cancel_reason=cancel_reason,
+        )
+
+    async def keep_alive(self) -> None:
+        """In-progress acks while requests run longer than the consumer's ack_wait allows."""
+        period = max(self.worker.spec.ack_wait_s / 3, 0.05)
+        while True:
+            await anyio.sleep(period)
+            for run in list(self.runs.values()):
+                try:
+                    await run.msg.in_progress()
+                except Exception:  # noqa: BLE001 - a lost in-progress ack only risks a re-run
+                    pass
+
+    async def run(self, stop: anyio.Event) -> None:
+        """Serve until `stop`; then let running requests finish for `drain_s` and hand back the
+        rest (nak: another engine worker re-runs them, dedupe drops what was already stored)."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.watch_cancels)
+            tg.start_soon(self.keep_alive)
+            tg.start_soon(self.fetch_loop, stop)
+            async with anyio.create_task_group() as steps:
+                steps.start_soon(self.step_loop, stop, steps)
+                await stop.wait()
+                with anyio.move_on_after(self.admission.drain_s):
+                    while self.runs or self._to_add:
+                        await anyio.sleep(0.05)
+                for run in list(self.runs.values()):
+                    self.engine.abort_request(run.request_id)
+                    await run.msg.nak()
+                self.runs.clear()
+            tg.cancel_scope.cancel()
+
+
+def engine_config_from_env() -> Any:
+    """EngineConfig from BRIGADE_* variables (model, dtype, device, KV budget, batch limits)."""
+    from engine import EngineConfig
+
+    env = os.environ
+    kwargs: dict[str, Any] = {}
+    for key, name, cast in (
+        ("BRIGADE_MODEL", "model", str),
+        ("BRIGADE_DTYPE", "dtype", str),
+        ("BRIGADE_DEVICE", "device", str),
+        ("BRIGADE_KV_CACHE_BYTES", "kv_cache_memory_bytes", int),
+        ("BRIGADE_NUM_KV_BLOCKS", "num_kv_blocks", int),
+        ("BRIGADE_MAX_NUM_SEQS", "max_num_seqs", int),
+        ("BRIGADE_MAX_NUM_BATCHED_TOKENS", "max_num_batched_tokens", int),
+        ("BRIGADE_MAX_MODEL_LEN", "max_model_len", int),
+    ):
+        if env.get(key):
+            try:
+                kwargs[name] = cast(env[key])
+            except ValueError as err:
+                raise ValueError(f"{key}={env[key]!r}: {err}") from err
+    return EngineConfig(**kwargs)
+
+
+def _unused_handle(event: Any, state: Any) -> list:
+    raise RuntimeError("the engine stage runs its own loop (EngineStage.run), not handle()")
+
+
+SPEC = StageSpec(
+    name=STAGE,
+    input_event="tokenized",
+    decoder=decoder_for(PromptTokenized),
+    handle=_unused_handle,
+    ack_wait_s=30.0,
+    max_hold_s=24 * 3600.0,
+)
+
+
+async def serve(
+    *,
+    config: BusConfig | None = None,
+    stop: anyio.Event | None = None,
+    ready: anyio.Event | None = None,
+    handle_signals: bool = True,
+    engine: Any = None,
+    admission: AdmissionConfig | None = None,
+) -> None:
+    """`brigade stage engine`: load the model (in a thread), then serve until `stop`."""
+    from stages.bus import Bus
+    from stages.runtime import _stop_on_signal
+
+    stop = stop or anyio.Event()
+    if engine is None:
+        from engine import Engine
+
+        engine_config = engine_config_from_env()
+        began = time.monotonic()
+        log.info(
+            "loading model %s (%s, %s)",
+            engine_config.model,
+            engine_config.dtype,
+            engine_config.device,
+        )
+        engine = await anyio.to_thread.run_sync(Engine, engine_config)
+        log.info("model loaded in %.1f s", time.monotonic() - began)
+    admission = admission or AdmissionConfig(max_active=engine.config.max_num_seqs)
+    bus = await Bus.connect(config, name=f"brigade-{STAGE}")
+    worker = StageWorker(SPEC, bus, fetch_timeout_s=0.5)
+    try:
+        await worker.start()
+        if ready is not None:
+            ready.set()
+        async with anyio.create_task_group() as tg:
+            if handle_signals:
+                tg.start_soon(_stop_on_signal, stop)
+            await EngineStage(engine, worker, admission).run(stop)
+            tg.cancel_scope.cancel()
+        await worker.close()
+    finally:
+        await bus.close()

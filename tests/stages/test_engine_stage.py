@@ -1,0 +1,166 @@
+"""Engine stage on a real nats-server with the real SmolLM2 engine: ids, seeds, cancel, refusal."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import anyio
+import pytest
+
+from schemas import subjects
+from schemas.events import (
+    CancelRequested,
+    PromptTokenized,
+    RequestFailed,
+    RunFinished,
+    Sampling,
+    TokensGenerated,
+    decode_event,
+)
+from stages import engine as engine_stage
+from stages.bus import Bus
+from stages.detokenize import context_window
+from stages.engine import AdmissionConfig, admission_room, derived_seed
+
+EVENTS = subjects.EVENTS_STREAM
+NUM_BLOCKS = 64  # 1024 tokens of KV at block_size 16
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(num_kv_blocks=NUM_BLOCKS, max_num_seqs=8))
+
+
+@pytest.fixture(scope="module")
+def prompt(engine) -> list[int]:
+    return engine.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
+
+
+def alone(engine, prompt: list[int], seed: int, max_tokens: int) -> list[int]:
+    """The engine core with no bus: the ids the stage must reproduce."""
+    from engine import SamplingParams
+
+    engine.add_request(
+        "alone", prompt, SamplingParams(temperature=0.8, seed=seed, max_tokens=max_tokens)
+    )
+    ids: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ids += out.new_token_ids
+    return ids
+
+
+@asynccontextmanager
+async def running_stage(bus_config, engine):
+    bus = await Bus.connect(bus_config)
+    await bus.ensure_streams()
+    stop, ready = anyio.Event(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: engine_stage.serve(
+                config=bus_config, stop=stop, ready=ready, handle_signals=False, engine=engine
+            )
+        )
+        await ready.wait()
+        yield bus
+        stop.set()
+    await bus.close()
+
+
+def tokenized(rid: str, prompt: list[int], **sampling) -> PromptTokenized:
+    return PromptTokenized(
+        request_id=rid, tenant="t", prompt_token_ids=prompt, sampling=Sampling(**sampling)
+    )
+
+
+async def events_until_end(sub, ends: set[str], *, on_tokens=None) -> dict[str, list]:
+    """Events of the watched requests until each has a `finished` or `failed`."""
+    got: dict[str, list] = {}
+    with anyio.fail_after(240):
+        while ends:
+            event = decode_event((await sub.next_msg(timeout=240)).data)
+            got.setdefault(event.request_id, []).append(event)
+            if isinstance(event, TokensGenerated) and on_tokens is not None:
+                await on_tokens(event)
+            if isinstance(event, RunFinished | RequestFailed):
+                ends.discard(event.request_id)
+    return got
+
+
+@pytest.mark.anyio
+async def test_tokens_match_the_engine_alone_with_seeds_and_context(bus_config, engine, prompt):
+    expected = alone(engine, prompt, seed=11, max_tokens=4)
+    async with running_stage(bus_config, engine) as bus:
+        sub = await bus.nc.subscribe("llm.ev.*.>")
+        await bus.publish(tokenized("seeded", prompt, temperature=0.8, seed=11, max_tokens=4))
+        await bus.publish(tokenized("noseed", prompt, temperature=0.8, max_tokens=2, stop=["xyz"]))
+        got = await events_until_end(sub, {"seeded", "noseed"})
+        with anyio.fail_after(10):  # the ack follows the stored `finished`
+            while (info := await bus.js.consumer_info(EVENTS, "brigade-engine")).num_ack_pending:
+                await anyio.sleep(0.02)
+    tokens = [e for e in got["seeded"] if isinstance(e, TokensGenerated)]
+    assert [e.seq for e in tokens] == [0, 1, 2, 3]
+    assert [t for e in tokens for t in e.token_ids] == expected
+    assert [e.context_token_ids for e in tokens] == [expected[:i] for i in range(4)]
+    assert all(e.service_ns > 0 and e.kv_usage is not None for e in tokens)
+    (fin,) = [e for e in got["seeded"] if isinstance(e, RunFinished)]
+    assert (fin.finish_reason, fin.last_seq, fin.seed) == ("length", 3, 11)
+    assert (fin.usage.prompt_tokens, fin.usage.completion_tokens) == (len(prompt), 4)
+    assert fin.context_token_ids == expected
+    assert fin.prefill_ns > 0 and fin.decode_ns > 0
+    (fin2,) = [e for e in got["noseed"] if isinstance(e, RunFinished)]
+    assert fin2.seed == derived_seed("noseed") and fin2.stop == ["xyz"]
+    assert context_window(["xyz"]) == 8 + 3 + 32
+    assert info.num_pending == 0 and info.num_redelivered == 0
+
+
+@pytest.mark.anyio
+async def test_client_cancel_and_stop_string_cancel(bus_config, engine, prompt):
+    async def cancel_when(event: TokensGenerated) -> None:
+        if event.request_id == "client" and event.seq == 0:
+            await bus.publish(CancelRequested(request_id="client", reason="client"))
+        if event.request_id == "stopped" and event.seq == 1:
+            cancel = CancelRequested(request_id="stopped", reason="stop_string", seq=1)
+            await bus.publish(cancel)
+
+    async with running_stage(bus_config, engine) as bus:
+        sub = await bus.nc.subscribe("llm.ev.*.>")
+        for rid in ("client", "stopped"):
+            await bus.publish(tokenized(rid, prompt, max_tokens=200, ignore_eos=True, seed=3))
+        got = await events_until_end(sub, {"client", "stopped"}, on_tokens=cancel_when)
+        stats = engine.stats()
+    (fin,) = [e for e in got["client"] if isinstance(e, RunFinished)]
+    assert (fin.finish_reason, fin.cancel_reason) == ("abort", "client")
+    assert fin.usage.completion_tokens < 200
+    (fin,) = [e for e in got["stopped"] if isinstance(e, RunFinished)]
+    assert (fin.finish_reason, fin.last_seq, fin.usage.completion_tokens) == ("stop", 1, 2)
+    first_two = [t for e in got["stopped"] if isinstance(e, TokensGenerated) for t in e.token_ids]
+    assert fin.context_token_ids == first_two[:2]
+    assert stats.num_free_blocks == NUM_BLOCKS and stats.num_running == 0
+
+
+@pytest.mark.anyio
+async def test_requests_the_engine_cannot_serve_fail_with_the_reason(bus_config, engine, prompt):
+    async with running_stage(bus_config, engine) as bus:
+        sub = await bus.nc.subscribe("llm.ev.*.>")
+        await bus.publish(tokenized("minmax", prompt, max_tokens=4, min_tokens=9))
+        await bus.publish(tokenized("huge", prompt, max_tokens=2000))
+        got = await events_until_end(sub, {"minmax", "huge"})
+    (bad,) = [e for e in got["minmax"] if isinstance(e, RequestFailed)]
+    assert (bad.stage, bad.code, bad.field) == ("engine", "invalid_request", "min_tokens")
+    (huge,) = [e for e in got["huge"] if isinstance(e, RequestFailed)]
+    assert huge.code == "context_length"
+    assert f"{len(prompt) + 2000}" in huge.message and "KV blocks" in huge.message
+
+
+def test_admission_room_counts_reserved_blocks_and_bounds():
+    config = AdmissionConfig(max_active=8, kv_watermark=0.9, max_fetch=4)
+    room = dict(num_total_blocks=100, config=config)
+    assert admission_room(num_free_blocks=100, reserved_blocks=0, num_active=0, **room) == 4
+    assert admission_room(num_free_blocks=100, reserved_blocks=0, num_active=6, **room) == 2
+    assert admission_room(num_free_blocks=100, reserved_blocks=0, num_active=8, **room) == 0
+    assert admission_room(num_free_blocks=40, reserved_blocks=30, num_active=1, **room) == 0
+    assert admission_room(num_free_blocks=40, reserved_blocks=29, num_active=1, **room) == 4
+    assert admission_room(num_free_blocks=5, reserved_blocks=6, num_active=1, **room) == 0
