@@ -102,7 +102,10 @@ class LlamaForCausalLM(nn.Module):
             self.layers.append(DecoderLayer(config, own, dtype=dtype, quantization=quantization))
         self.norm = nn.Parameter(weights["model.norm.weight"].to(dtype), requires_grad=False)
         head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = make_linear(head, dtype=dtype, quantization=quantization)
+        # The head stays at 8 bits under int4: int4 there (of a Q8_0 embedding) changed greedy
+        # continuations within a few tokens, int4 layers with an 8-bit head kept them.
+        head_quant = {"int4": "int8", "int4-decode": "int8-decode"}.get(quantization, quantization)
+        self.lm_head = make_linear(head, dtype=dtype, quantization=head_quant)
         cos, sin = rope_tables(config, device)
         half = config.head_dim // 2
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)

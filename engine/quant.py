@@ -3,7 +3,8 @@
 A decode step reads every weight once, so on the CPU its time is the bytes of the weights:
 int8 per-output-channel (`torch._weight_int8pack_mm`) and int4 with asymmetric groups of 32
 (`torch._weight_int4pack_mm_for_cpu`) cut them 2x / 4x against bf16. Activations stay in the
-model dtype (bf16 activations are what make the int8 kernel fast).
+model dtype (bf16 activations are what make the int8 kernel fast). These kernels are GEMVs:
+past ~8 rows dense bf16 GEMMs win, so the "-decode" variants keep both and pick per step.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-Quantization = Literal["int8", "int4"]
-QUANTIZATIONS: tuple[str, ...] = ("int8", "int4")
+Quantization = Literal["int8", "int4", "int8-decode", "int4-decode"]
+QUANTIZATIONS: tuple[str, ...] = ("int8", "int4", "int8-decode", "int4-decode")
 INT4_GROUP_SIZE = 32
+DECODE_MAX_ROWS = 8  # measured crossover: at 8 rows int4 and dense bf16 tie, at 32 dense is 2x
 
 
 class DenseLinear(nn.Module):
@@ -74,6 +76,20 @@ class Int4Linear(nn.Module):
         )
 
 
+class DecodeLinear(nn.Module):
+    """Weight-only kernel for steps of at most DECODE_MAX_ROWS rows, dense weights above."""
+
+    def __init__(self, small: nn.Module, dense: DenseLinear) -> None:
+        super().__init__()
+        self.small, self.dense = small, dense
+        self.out_features = dense.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] <= DECODE_MAX_ROWS:
+            return self.small.forward(x)
+        return self.dense.forward(x)
+
+
 def make_linear(
     weight: Tensor, *, quantization: Quantization | None, dtype: torch.dtype
 ) -> nn.Module:
@@ -83,6 +99,9 @@ def make_linear(
     """
     if quantization is None:
         return DenseLinear(weight.to(dtype))
+    if quantization in ("int8-decode", "int4-decode"):
+        small = make_linear(weight, quantization=quantization[:4], dtype=dtype)
+        return DecodeLinear(small, DenseLinear(weight.to(dtype)))
     if weight.device.type != "cpu":
         raise ValueError(
             f"quantization={quantization!r} uses CPU-only kernels; pass quantization=None on "
@@ -91,6 +110,6 @@ def make_linear(
     out_features, in_features = weight.shape
     if quantization == "int4" and in_features % INT4_GROUP_SIZE == 0 and out_features % 16 == 0:
         return Int4Linear(weight, dtype)
-    if quantization in QUANTIZATIONS:
+    if quantization in ("int8", "int4"):
         return Int8Linear(weight, dtype)
     raise ValueError(f"quantization={quantization!r}; allowed: None, {', '.join(QUANTIZATIONS)}")

@@ -244,8 +244,11 @@ def paged_attention_reference(
     if plan.decode_blocks is not None:
         qd = q if plan.decode_rows is None else q[plan.decode_rows]
         nd = qd.shape[0]
-        kd = k_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)  # [nd, KVH, L, D]
-        vd = v_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)
+        num_blocks, block_size = plan.decode_blocks.shape[1], k_cache.shape[1]
+        flat_blocks = plan.decode_blocks.flatten()
+        kv_shape = (nd, num_blocks * block_size, num_kv_heads, head_dim)
+        kd = k_cache.index_select(0, flat_blocks).view(kv_shape).transpose(1, 2)  # [nd, KVH, L, D]
+        vd = v_cache.index_select(0, flat_blocks).view(kv_shape).transpose(1, 2)
         qd = qd.view(nd, num_kv_heads, group, head_dim)  # a KV head's queries share its keys
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale)
         od = od.reshape(nd, num_heads, head_dim)
@@ -258,8 +261,8 @@ def paged_attention_reference(
             kp, vp = k[p.start : p.end].transpose(0, 1), v[p.start : p.end].transpose(0, 1)
         else:
             ctx_len = p.mask.shape[1]
-            kp = k_cache[p.blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)  # [KVH, L, D]
-            vp = v_cache[p.blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)
+            kp = k_cache.index_select(0, p.blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)
+            vp = v_cache.index_select(0, p.blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
         )

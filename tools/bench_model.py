@@ -63,7 +63,10 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--context", type=int, default=256, help="cached tokens per decode seq")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     quant = None if args.quantization == "none" else args.quantization
     model, config = load_model(args.model, dtype=args.dtype, quantization=quant)
     print(

@@ -227,9 +227,11 @@ def test_default_gguf_config():
 
 def test_quantization_option():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_quantization("auto", torch.bfloat16, cpu) == "int4"
+    assert resolve_quantization("auto", torch.bfloat16, cpu) == "int4-decode"
     assert resolve_quantization("auto", torch.float32, cpu) is None  # fp32 stays exact
     assert resolve_quantization("auto", torch.bfloat16, cuda) is None
     assert resolve_quantization("int8", torch.float32, cpu) == "int8"
-    with pytest.raises(ValueError, match="allowed: 'auto', None, int8, int4"):
+    with pytest.raises(
+        ValueError, match="allowed: 'auto', None, int8, int4, int8-decode, int4-decode"
+    ):
         resolve_quantization("int3", torch.bfloat16, cpu)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.quant import DenseLinear, Int4Linear, Int8Linear, make_linear
+from engine.quant import DecodeLinear, DenseLinear, Int4Linear, Int8Linear, make_linear
 
 
 def test_int4_is_exact_on_a_4bit_asymmetric_grid():
@@ -46,3 +46,14 @@ def test_make_linear_choices():
     )
     with pytest.raises(ValueError, match="allowed: None, int8, int4"):
         make_linear(w, quantization="fp4", dtype=torch.float32)
+
+
+def test_decode_variant_uses_the_quantized_kernel_up_to_8_rows():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(32, 64, generator=g)
+    lin = make_linear(w, quantization="int4-decode", dtype=torch.float32)
+    assert type(lin) is DecodeLinear and type(lin.small) is Int4Linear
+    x = torch.randn(9, 64, generator=g)
+    assert torch.equal(lin.forward(x[:8]), lin.small.forward(x[:8]))
+    assert torch.equal(lin.forward(x), x @ w.t())  # 9 rows: the dense weights
+    assert not torch.equal(lin.forward(x[:8]), x[:8] @ w.t())
