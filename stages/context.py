@@ -237,7 +237,11 @@ def fit_raw_prompt(request: Request, costs: Costs, budget: int) -> Fit:
             field="prompt",
         )
     return Fit(
-        request.messages, [ContextPart(name="user", num_tokens=len(ids))], len(ids), False, []
+        messages=list(request.messages),
+        parts=[ContextPart(name="user", num_tokens=len(ids))],
+        num_prompt_tokens=len(ids),
+        truncated=False,
+        dropped_history=[],
     )
 
 

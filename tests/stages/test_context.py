@@ -117,6 +117,9 @@ def test_raw_prompt_fits_or_slides(costs: context.Costs) -> None:
     raw = Request(
         messages=[Message(role="user", content=text)], raw_prompt=True, truncation="sliding_window"
     )
+    whole = context.fit_raw_prompt(raw, costs, 7)
+    assert whole.messages == raw.messages and parts(whole) == [("user", 7, 0, 0)]
+    assert not whole.truncated and whole.num_prompt_tokens == 7
     fit = context.fit_raw_prompt(raw, costs, 3)
     assert fit.messages[0].content == " five six seven" and parts(fit) == [("user", 3, 4, 0)]
     with pytest.raises(StageError, match="the prompt has 7 tokens but the context window leaves 3"):
