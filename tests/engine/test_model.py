@@ -103,11 +103,11 @@ def greedy(
     return out
 
 
-@pytest.mark.parametrize("conv", [0, 1, 3])
-def test_single_sequence_matches_transformers_greedy(fp32_model, conv):
-    ref = CONVS[conv]
-    out = greedy(PagedRunner(*fp32_model), {0: ref["prompt_ids"]}, {0: len(ref["greedy_ids"])})
-    assert out[0] == ref["greedy_ids"]
+@pytest.mark.parametrize(("conv", "num_tokens"), [(0, 8), (1, 32), (3, 16)])
+def test_single_sequence_matches_transformers_greedy(fp32_model, conv, num_tokens):
+    ref = CONVS[conv]  # 0 ends with eos after 8 tokens; 3 is Japanese output
+    out = greedy(PagedRunner(*fp32_model), {0: ref["prompt_ids"]}, {0: num_tokens})
+    assert out[0] == ref["greedy_ids"][:num_tokens]
 
 
 def test_batch_of_two_different_lengths_matches(fp32_model):
