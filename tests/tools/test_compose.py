@@ -1,0 +1,73 @@
+"""compose.yaml runs every stage exactly as the tests and `brigade up --procs` start it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stages.bus import BusConfig
+from tests.stages import pipeline_harness
+from tools import stage
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def entrypoint() -> list[str]:
+    line = next(
+        line
+        for line in (ROOT / "Dockerfile").read_text().splitlines()
+        if line.startswith("ENTRYPOINT")
+    )
+    return yaml.safe_load(line.removeprefix("ENTRYPOINT"))
+
+
+def test_every_stage_has_a_service_running_the_tests_command(compose):
+    assert pipeline_harness.PIPELINE == stage.PIPELINE  # the pipeline tests start these stages
+    services = compose["services"]
+    for name in stage.available():
+        assert name in services, f"compose.yaml has no service for stage {name!r}"
+        assert entrypoint() + services[name]["command"] == stage.command(name)
+        env = services[name]["environment"]
+        assert env["NATS_URL"] == "${NATS_URL:-nats://nats:4222}"
+        assert env["BRIGADE_STREAM_REPLICAS"] == "${BRIGADE_STREAM_REPLICAS:-1}"
+        assert "brigade-data:/data" in services[name]["volumes"]
+
+
+def test_stages_scale_and_only_the_edge_publishes_a_port(compose):
+    for name, service in compose["services"].items():
+        assert "container_name" not in service, f"{name} pins a container name: cannot --scale"
+        if name != "edge":
+            assert "ports" not in service, f"{name} publishes a port: cannot --scale"
+    assert compose["services"]["edge"]["ports"] == ["8080:8080"]
+    assert compose["services"]["edge"]["environment"]["BRIGADE_EDGE_HOST"] == "0.0.0.0"
+
+
+def test_nats_has_jetstream_and_a_three_node_cluster_profile(compose):
+    conf = compose["configs"]["nats-conf"]["content"]
+    assert re.search(r"jetstream\s*\{", conf) and "max_payload: 16MB" in conf
+    services = compose["services"]
+    assert "profiles" not in services["nats"]
+    nodes = [f"nats-{i}" for i in (1, 2, 3)]
+    routes = ",".join(f"nats://{n}:6222" for n in nodes)
+    for node in nodes:
+        args = services[node]["command"]
+        assert services[node]["profiles"] == ["cluster"]
+        assert args[args.index("-n") + 1] == node
+        assert args[args.index("--routes") + 1] == routes
+        assert args[args.index("--cluster_name") + 1] == "brigade"
+
+
+def test_the_bus_reads_the_replicas_of_the_cluster_profile(monkeypatch):
+    monkeypatch.setenv("BRIGADE_STREAM_REPLICAS", "3")
+    urls = "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"
+    config = BusConfig.from_env(urls)
+    assert config.replicas == 3
+    assert config.servers == tuple(urls.split(","))
