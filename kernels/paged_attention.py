@@ -189,13 +189,21 @@ class _PrefillSeq:
 
 
 @dataclass
+class _DecodeGroup:
+    rows: Tensor | None  # [n] int64 rows of the step's tokens; None: every row, in order
+    blocks: Tensor  # [n, nb] int64 block ids (padding -> block 0, masked out)
+    mask: Tensor  # [n, 1, 1, nb * block_size] bool, True = attend
+
+
+@dataclass
 class ReferencePlan:
     """What the reference needs per step, built once and shared by every layer."""
 
-    decode_rows: Tensor | None  # [nd] int64 rows of single-token seqs; None: all rows
-    decode_blocks: Tensor | None  # [nd, nb] int64 block ids (padding -> 0)
-    decode_mask: Tensor | None  # [nd, 1, 1, nb * block_size] bool, True = attend
-    prefills: list[_PrefillSeq]
+    decodes: list[_DecodeGroup]  # single-token sequences, batched by similar length
+    prefills: list[_PrefillSeq]  # the others, one by one
+
+
+MAX_DECODE_GROUPS = 4
 
 
 def build_reference_plan(
@@ -203,28 +211,42 @@ def build_reference_plan(
 ) -> ReferencePlan:
     device = block_tables.device
     tables = block_tables.to(torch.int64).clamp_min(0)  # [S, max_blocks]
-    decode_seqs, decode_rows, prefills, row = [], [], [], 0
+    decodes, prefills, row = [], [], 0  # decodes: (row, seq index, num blocks)
     for i, (ql, sl) in enumerate(zip(query_lens, seq_lens, strict=True)):
         if ql == 1 and sl > 1:
-            decode_seqs.append(i)
-            decode_rows.append(row)
+            decodes.append((row, i, -(-sl // block_size)))
         elif ql == sl:  # nothing cached before this step: plain causal attention
             prefills.append(_PrefillSeq(row, row + ql, None, None))
         else:
-            nb = -(-sl // block_size)
             pos = torch.arange(sl, device=device)
-            mask = pos[None, :] <= (pos[sl - ql :, None])  # [ql, sl]
-            prefills.append(_PrefillSeq(row, row + ql, tables[i, :nb], mask))
+            mask = pos[None, :] <= pos[sl - ql :, None]  # [ql, sl]
+            prefills.append(_PrefillSeq(row, row + ql, tables[i, : -(-sl // block_size)], mask))
         row += ql
-    if not decode_seqs:
-        return ReferencePlan(None, None, None, prefills)
-    lens = torch.tensor([seq_lens[i] for i in decode_seqs], device=device)
-    nb = -(-int(lens.max()) // block_size)
-    blocks = tables[decode_seqs, :nb]  # [nd, nb]
-    mask = torch.arange(nb * block_size, device=device)[None, :] < lens[:, None]
-    all_rows = len(decode_rows) == row
-    rows = None if all_rows else torch.tensor(decode_rows, device=device)
-    return ReferencePlan(rows, blocks, mask[:, None, None, :], prefills)
+    groups = _group_by_length(decodes)
+    every_row = len(groups) == 1 and len(decodes) == row
+    if every_row:
+        groups = [decodes]  # keep step order so the output needs no scatter
+    plans = []
+    for group in groups:
+        nb = max(n for _, _, n in group)
+        seqs = [i for _, i, _ in group]
+        lens = torch.tensor([seq_lens[i] for i in seqs], device=device)
+        mask = torch.arange(nb * block_size, device=device)[None, :] < lens[:, None]
+        rows = None if every_row else torch.tensor([r for r, _, _ in group], device=device)
+        plans.append(_DecodeGroup(rows, tables[seqs, :nb], mask[:, None, None, :]))
+    return ReferencePlan(plans, prefills)
+
+
+def _group_by_length(decodes: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Split decodes (longest first) where the block count halves, so a short context is not
+    padded to the longest one; at most MAX_DECODE_GROUPS groups (each costs a few ops)."""
+    groups: list[list[tuple[int, int, int]]] = []
+    for d in sorted(decodes, key=lambda d: -d[2]):
+        if not groups or (2 * d[2] <= groups[-1][0][2] and len(groups) < MAX_DECODE_GROUPS):
+            groups.append([d])
+        else:
+            groups[-1].append(d)
+    return groups
 
 
 def paged_attention_reference(
@@ -237,24 +259,27 @@ def paged_attention_reference(
     scale: float,
 ) -> Tensor:
     """Gather only the blocks each sequence uses; decodes batched, prefills one by one."""
-    num_tokens, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(q) if plan.prefills else None
-    if plan.decode_blocks is not None:
-        qd = q if plan.decode_rows is None else q[plan.decode_rows]
-        nd = qd.shape[0]
-        num_blocks, block_size = plan.decode_blocks.shape[1], k_cache.shape[1]
-        flat_blocks = plan.decode_blocks.flatten()
-        kv_shape = (nd, num_blocks * block_size, num_kv_heads, head_dim)
+    group_size = num_heads // num_kv_heads
+    out = None
+    for g in plan.decodes:
+        qd = q if g.rows is None else q[g.rows]
+        nd, num_blocks = g.blocks.shape
+        kv_shape = (nd, num_blocks * k_cache.shape[1], num_kv_heads, head_dim)
+        flat_blocks = g.blocks.flatten()
         kd = k_cache.index_select(0, flat_blocks).view(kv_shape).transpose(1, 2)  # [nd, KVH, L, D]
         vd = v_cache.index_select(0, flat_blocks).view(kv_shape).transpose(1, 2)
-        qd = qd.view(nd, num_kv_heads, group, head_dim)  # a KV head's queries share its keys
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale)
+        qd = qd.view(nd, num_kv_heads, group_size, head_dim)  # a KV head's queries share its keys
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
         od = od.reshape(nd, num_heads, head_dim)
-        if out is None:
+        if g.rows is None:
             return od
-        out[plan.decode_rows] = od
+        if out is None:
+            out = torch.empty_like(q)
+        out[g.rows] = od
+    if out is None:
+        out = torch.empty_like(q)
     for p in plan.prefills:
         qp = q[p.start : p.end].transpose(0, 1)  # [H, ql, D]
         if p.blocks is None:

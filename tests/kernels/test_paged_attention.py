@@ -100,12 +100,39 @@ def test_reference_matches_dense_causal_attention(query_lens, seq_lens, heads, b
 def test_reference_plan_batches_decodes_and_gathers_only_used_blocks():
     block_tables = torch.tensor([[7, 2, -1], [4, -1, -1], [5, 0, 1]], dtype=torch.int32)
     plan = pa.build_reference_plan(block_tables, [1, 3, 1], [20, 3, 33], block_size=16)
-    assert plan.decode_rows.tolist() == [0, 4]  # rows of seqs 0 and 2 in the step's tokens
-    assert plan.decode_blocks.tolist() == [[7, 2, 0], [5, 0, 1]]  # padding -> block 0, masked
-    assert plan.decode_mask.shape == (2, 1, 1, 48)
-    assert plan.decode_mask[:, 0, 0].sum(-1).tolist() == [20, 33]
+    (group,) = plan.decodes  # 2 and 3 blocks: similar enough to share one padded batch
+    assert group.rows.tolist() == [4, 0]  # rows of seqs 2 and 0 in the step, longest first
+    assert group.blocks.tolist() == [[5, 0, 1], [7, 2, 0]]  # padding -> block 0, masked
+    assert group.mask.shape == (2, 1, 1, 48)
+    assert group.mask[:, 0, 0].sum(-1).tolist() == [33, 20]
     (prefill,) = plan.prefills
     assert (prefill.start, prefill.end, prefill.blocks, prefill.mask) == (1, 4, None, None)
+
+
+def test_reference_plan_splits_decodes_of_very_different_lengths():
+    lens = [300, 20, 260, 100, 1, 40]  # blocks of 16: 19, 2, 17, 7, -, 3
+    tables = torch.arange(6 * 19, dtype=torch.int32).view(6, 19)
+    plan = pa.build_reference_plan(tables, [1, 1, 1, 1, 1, 1], lens, block_size=16)
+    assert [g.rows.tolist() for g in plan.decodes] == [[0, 2], [3], [5, 1]]
+    assert [g.blocks.shape[1] for g in plan.decodes] == [19, 7, 3]
+    assert [(p.start, p.end) for p in plan.prefills] == [(4, 5)]  # a 1-token fresh sequence
+    q = torch.randn(6, 4, 8)
+    k_cache = torch.randn(6 * 19, 16, 2, 8)
+    v_cache = torch.randn(6 * 19, 16, 2, 8)
+    k, v = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    out = pa.paged_attention_reference(q, k, v, k_cache, v_cache, plan, 8**-0.5)
+    one_group = pa.build_reference_plan(tables, [1, 1, 1, 1, 1, 1], lens, block_size=16)
+    one_group.decodes = [
+        pa._DecodeGroup(
+            torch.tensor([0, 1, 2, 3, 5]),
+            tables[[0, 1, 2, 3, 5]].long(),
+            (torch.arange(19 * 16)[None, :] < torch.tensor([300, 20, 260, 100, 40])[:, None])[
+                :, None, None
+            ],
+        )
+    ]
+    expected = pa.paged_attention_reference(q, k, v, k_cache, v_cache, one_group, 8**-0.5)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
 KERNEL_CASES = [  # (query_lens, seq_lens, (heads, kv heads), block_size, dtype)
