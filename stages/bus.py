@@ -17,7 +17,7 @@ import msgspec
 import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext, api
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
 from schemas import subjects
@@ -237,7 +237,7 @@ class Bus:
             try:
                 await self.js.add_consumer(spec.stream, config)
                 return
-            except BadRequestError:  # another worker created it just now
+            except APIError:  # another worker created it just now (its start time differs)
                 info = await self.js.consumer_info(spec.stream, spec.durable)
         have = info.config
         if (have.ack_wait, have.max_deliver, have.max_ack_pending, have.backoff or None) != (

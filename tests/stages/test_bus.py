@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 
 from schemas import subjects
@@ -86,3 +87,19 @@ async def test_config_from_env_url_list_and_running_server(
     monkeypatch.setenv(natsd.DATA_DIR_ENV, str(tmp_path / "empty"))
     with pytest.raises(RuntimeError, match="set NATS_URL"):
         BusConfig.from_env()
+
+
+async def test_workers_racing_to_create_one_durable_both_succeed(bus_config: BusConfig) -> None:
+    buses = [await Bus.connect(bus_config) for _ in range(4)]
+    try:
+        await buses[0].ensure_streams()
+        spec = ConsumerSpec(durable="brigade-race", filter_subject="llm.ev.*.tokens")
+        for _ in range(3):
+            async with anyio.create_task_group() as tg:
+                for bus in buses:
+                    tg.start_soon(bus.ensure_consumer, spec)
+        info = await buses[0].js.consumer_info(subjects.EVENTS_STREAM, "brigade-race")
+        assert info.config.filter_subject == "llm.ev.*.tokens"
+    finally:
+        for bus in buses:
+            await bus.close()
