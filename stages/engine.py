@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from stages.detokenize import context_window
 from stages.runtime import StageError, StageSpec, StageWorker
 
 STAGE = "engine"
+SWITCH_INTERVAL_S = 0.0005  # Python's default is 0.005: up to 5 ms before the loop gets the GIL
 log = logging.getLogger("brigade.engine")
 
 
@@ -453,6 +455,9 @@ async def serve(
     from stages.runtime import _stop_on_signal
 
     stop = stop or anyio.Event()
+    # step() runs in a thread and holds the GIL between torch ops; a short switch interval lets
+    # the event loop (this stage's publishes, and every stage sharing the process) in promptly.
+    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
     if engine is None:
         from engine import Engine
 

@@ -1,0 +1,383 @@
+"""`brigade bench pipeline`: the same requests through the engine alone and through every stage,
+in one run; Brigade's own overhead per request and per streamed token, from the events."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "How many legs does a spider have?",
+    "Give one word that rhymes with cat.",
+    "What is 7 times 8?",
+    "Say hello in Spanish.",
+    "Which planet is closest to the sun?",
+    "What colour is the sky on a clear day?",
+]
+NON_MODEL = ("gateway", "auth", "context", "tokenize", "detokenize")
+TARGETS_MS = {"overhead_p50": 2.0, "overhead_p95": 5.0, "token_trip_p95": 1.0}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "pipeline", help="full pipeline vs engine alone: per-stage overhead from the events"
+    )
+    p.add_argument("--requests", type=int, default=40, help="requests per side (default 40)")
+    p.add_argument("--concurrency", type=int, default=20, help="requests in flight (default 20)")
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    p.add_argument("--out", type=Path, default=Path(".brigade/bench"), help="output directory")
+    p.add_argument("--quick", action="store_true", help="8 requests, 4 in flight, 8 tokens")
+    p.set_defaults(func=run)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def workload(tokenizer, n: int, max_tokens: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        q = QUESTIONS[i % len(QUESTIONS)]
+        ids = tokenizer.encode_chat([{"role": "user", "content": q}])
+        out.append({"question": q, "prompt_ids": ids, "seed": 1000 + i, "max_tokens": max_tokens})
+    return out
+
+
+# ---- the engine alone ----
+
+
+def engine_alone(engine, work: list[dict], concurrency: int) -> dict:
+    """Closed loop on the core: `concurrency` requests in flight, wall-clock per request."""
+    from engine import SamplingParams
+
+    todo = list(enumerate(work))
+    start, first, end, ids = {}, {}, {}, {}
+    began = time.perf_counter_ns()
+    while todo or engine.has_unfinished_requests():
+        while todo and len(start) - len(end) < concurrency:
+            i, w = todo.pop(0)
+            params = SamplingParams(
+                temperature=0.7, seed=w["seed"], max_tokens=w["max_tokens"], ignore_eos=True
+            )
+            engine.add_request(f"alone-{i}", w["prompt_ids"], params)
+            start[i] = time.perf_counter_ns()
+            ids[i] = []
+        for out in engine.step():
+            i = int(out.request_id.split("-")[1])
+            now = time.perf_counter_ns()
+            if out.new_token_ids:
+                first.setdefault(i, now)
+                ids[i] += out.new_token_ids
+            if out.finished:
+                end[i] = now
+    wall = (time.perf_counter_ns() - began) / 1e9
+    return {
+        "ttft_ms": [(first[i] - start[i]) / 1e6 for i in start],
+        "e2e_ms": [(end[i] - start[i]) / 1e6 for i in start],
+        "tokens": sum(len(v) for v in ids.values()),
+        "wall_s": wall,
+        "token_ids": [ids[i] for i in sorted(ids)],
+    }
+
+
+# ---- the pipeline ----
+
+
+@dataclass
+class Seen:
+    """Every event of one request with the wall-clock time this client received it."""
+
+    sent_ns: int = 0
+    events: list = field(default_factory=list)  # (received_ns, event)
+    done: object = None
+
+
+async def through_pipeline(config, api_key: str, work: list[dict], concurrency: int) -> dict:
+    import anyio
+    import msgspec
+
+    from schemas import subjects
+    from schemas.events import Message, Submit, decode_event, encode
+    from stages.bus import Bus
+
+    bus = await Bus.connect(config, name="brigade-bench")
+    seen: dict[str, Seen] = {}
+
+    async def received(msg) -> None:
+        now = time.time_ns()
+        rec = seen.get(msg.subject.split(".")[2])
+        if rec is None:
+            return
+        try:
+            event = decode_event(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        rec.events.append((now, event))
+        if type(event).__struct_config__.tag in ("completed", "cancelled", "failed"):
+            rec.done.set()
+
+    sub = await bus.nc.subscribe(subjects.ALL_EVENTS, cb=received, pending_msgs_limit=1_000_000)
+    await bus.nc.flush()
+    limit = anyio.Semaphore(concurrency)
+    began = time.perf_counter_ns()
+
+    async def one(i: int, w: dict) -> None:
+        async with limit:
+            rid = f"bench{os.getpid()}x{i}"
+            rec = seen[rid] = Seen(done=anyio.Event())
+            submit = Submit(
+                request_id=rid,
+                api_key=api_key,
+                messages=[Message(role="user", content=w["question"])],
+                temperature=0.7,
+                seed=w["seed"],
+                max_tokens=w["max_tokens"],
+                ignore_eos=True,
+            )
+            rec.sent_ns = time.time_ns()
+            await bus.js.publish(
+                subjects.SUBMIT, encode(submit), headers={"Nats-Msg-Id": f"{rid}:submit"}
+            )
+            with anyio.fail_after(600):
+                await rec.done.wait()
+            await anyio.sleep(0.3)  # let the last deltas and the bill arrive
+
+    async with anyio.create_task_group() as tg:
+        for i, w in enumerate(work):
+            tg.start_soon(one, i, w)
+    wall = (time.perf_counter_ns() - began) / 1e9
+    await sub.unsubscribe()
+    await bus.close()
+    return {"seen": seen, "wall_s": wall}
+
+
+def analyse(seen: dict[str, Seen]) -> dict:
+    """Per request: the path's own added latency (submit -> `tokenized` stored, and engine
+    `finished` -> client has `completed`) and the non-model stages' service times; per token:
+    engine publish -> client receipt of `tokens`, and of the `text` made from it."""
+    tag_stage = {
+        "accepted": "gateway",
+        "authorized": "auth",
+        "assembled": "context",
+        "tokenized": "tokenize",
+    }
+    inputs = {"authorized": "accepted", "assembled": "authorized", "tokenized": "assembled"}
+    stage_service: dict[str, list[float]] = {s: [] for s in (*NON_MODEL, "ledger")}
+    stage_queue: dict[str, list[float]] = {s: [] for s in (*NON_MODEL, "ledger")}
+    overhead, service_sum, trips_tokens, trips_text, ttft, e2e, ids = [], [], [], [], [], [], []
+    failed = 0
+    for rec in seen.values():
+        by_tag: dict[str, list] = {}
+        for received, event in rec.events:
+            by_tag.setdefault(type(event).__struct_config__.tag, []).append((received, event))
+        if "completed" not in by_tag:
+            failed += 1
+            continue
+        first = {tag: evs[0][1] for tag, evs in by_tag.items()}
+        total_service = 0.0
+        for tag, stage in tag_stage.items():
+            ev = first[tag]
+            total_service += ev.service_ns / 1e6
+            stage_service[stage].append(ev.service_ns / 1e6)
+            start = ev.ts_ns - ev.service_ns
+            came = rec.sent_ns if tag == "accepted" else first[inputs[tag]].ts_ns
+            stage_queue[stage].append((start - came) / 1e6)
+        tokens = {e.seq: (r, e) for r, e in by_tag.get("tokens", [])}
+        for received, text in by_tag.get("text", []):
+            stage_service["detokenize"].append(text.service_ns / 1e6)
+            source = tokens.get(text.seq)
+            if source is not None:
+                stage_queue["detokenize"].append(
+                    (text.ts_ns - text.service_ns - source[1].ts_ns) / 1e6
+                )
+                trips_text.append((received - source[1].ts_ns) / 1e6)
+        for received, tok in tokens.values():
+            trips_tokens.append((received - tok.ts_ns) / 1e6)
+        flush = max(by_tag["text"], key=lambda p: p[1].seq)[1]
+        total_service += flush.service_ns / 1e6
+        service_sum.append(total_service)
+        fin = first["finished"]
+        done_received = by_tag["completed"][0][0]
+        overhead.append((first["tokenized"].ts_ns - rec.sent_ns + done_received - fin.ts_ns) / 1e6)
+        shown = sorted(r for r, e in by_tag["text"] if e.text)
+        if shown:
+            ttft.append((shown[0] - rec.sent_ns) / 1e6)
+        e2e.append((done_received - rec.sent_ns) / 1e6)
+        ids.append([t for s in sorted(tokens) for t in tokens[s][1].token_ids])
+        for _received, bill in by_tag.get("billed", []):
+            stage_service["ledger"].append(bill.service_ns / 1e6)
+            stage_queue["ledger"].append(
+                (bill.ts_ns - bill.service_ns - first["completed"].ts_ns) / 1e6
+            )
+    return {
+        "overhead_ms": overhead,
+        "service_sum_ms": service_sum,
+        "token_trip_ms": trips_tokens,
+        "text_trip_ms": trips_text,
+        "ttft_ms": ttft,
+        "e2e_ms": e2e,
+        "failed": failed,
+        "stage_service_ms": stage_service,
+        "stage_queue_ms": stage_queue,
+        "token_ids": ids,
+    }
+
+
+def _f(x: float | None, nd: int = 2) -> str:
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(result: dict) -> str:
+    a, p = result["alone"], result["pipeline"]
+    t = result["targets"]
+    rows = [
+        "| per request / per token (ms) | P50 | P95 | target | met |",
+        "|---|---:|---:|---|---|",
+    ]
+    for label, key, target in (
+        (
+            "added latency per request: submit → `tokenized` + `finished` → client",
+            "overhead_ms",
+            "P50 ≤ 2, P95 ≤ 5",
+        ),
+        (
+            "non-model service time per request (gateway+auth+context+tokenize+detokenize)",
+            "service_sum_ms",
+            "—",
+        ),
+        ("streamed token: engine publish → client receives `tokens`", "token_trip_ms", "P95 ≤ 1"),
+        ("streamed token: engine publish → client receives its `text`", "text_trip_ms", "—"),
+    ):
+        xs = p[key]
+        met = {"overhead_ms": t["overhead"], "token_trip_ms": t["token_trip"]}.get(key)
+        rows.append(
+            f"| {label} | {_f(pct(xs, 0.5))} | {_f(pct(xs, 0.95))} | {target} | {'—' if met is None else ('yes' if met else 'no')} |"
+        )
+    rows += [
+        "",
+        "| stage | service P50 | service P95 | queue P50 | queue P95 | samples |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for stage, xs in p["stage_service_ms"].items():
+        qs = p["stage_queue_ms"][stage]
+        rows.append(
+            f"| {stage} | {_f(pct(xs, 0.5), 3)} | {_f(pct(xs, 0.95), 3)} | {_f(pct(qs, 0.5), 3)} | {_f(pct(qs, 0.95), 3)} | {len(xs)} |"
+        )
+    rows += [
+        "",
+        "| same requests | TTFT P50 | TTFT P95 | E2E P50 | E2E P95 | output tok/s |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| engine alone | {_f(pct(a['ttft_ms'], 0.5), 0)} | {_f(pct(a['ttft_ms'], 0.95), 0)} | {_f(pct(a['e2e_ms'], 0.5), 0)} | {_f(pct(a['e2e_ms'], 0.95), 0)} | {a['tokens'] / a['wall_s']:.1f} |",
+        f"| full pipeline | {_f(pct(p['ttft_ms'], 0.5), 0)} | {_f(pct(p['ttft_ms'], 0.95), 0)} | {_f(pct(p['e2e_ms'], 0.5), 0)} | {_f(pct(p['e2e_ms'], 0.95), 0)} | {p['tokens'] / p['wall_s']:.1f} |",
+        "",
+        f"{result['requests']} requests per side, {result['concurrency']} in flight, {result['max_tokens']} output tokens each; "
+        f"identical token ids on both sides: {result['same_token_ids']}; failed through the pipeline: {p['failed']}; "
+        f"{result['machine']}.",
+    ]
+    return "\n".join(rows)
+
+
+async def _pipeline_side(config, api_key, work, concurrency, engine, progress) -> dict:
+    import anyio
+
+    from tools.stage import PIPELINE, serve_stage
+
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        for name in PIPELINE:
+            ready = anyio.Event()
+            if name == "engine":
+                from stages import engine as engine_stage
+
+                tg.start_soon(
+                    lambda r=ready: engine_stage.serve(
+                        config=config, stop=stop, ready=r, handle_signals=False, engine=engine
+                    )
+                )
+            else:
+                tg.start_soon(
+                    lambda n=name, r=ready: serve_stage(
+                        n, config=config, stop=stop, ready=r, handle_signals=False
+                    )
+                )
+            await ready.wait()
+        progress("pipeline: stages up; sending requests")
+        out = await through_pipeline(config, api_key, work, concurrency)
+        stop.set()
+    return out
+
+
+def run(args) -> int:
+    import anyio
+
+    if args.quick:
+        args.requests, args.concurrency, args.max_tokens = 8, 4, 8
+
+    def progress(msg: str) -> None:
+        print(f"  [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="brigade-bench-") as tmp:
+        os.environ["BRIGADE_DATA_DIR"] = tmp  # ledger, tenants and archive of this run only
+        os.environ.pop("BRIGADE_TENANTS", None)
+        from engine import Engine
+        from stages import natsd, tenants
+        from stages.bus import BusConfig
+        from stages.engine import engine_config_from_env
+
+        progress("loading the model")
+        engine = Engine(engine_config_from_env())
+        work = workload(engine.tokenizer, args.requests, args.max_tokens)
+        progress(f"engine alone: {args.requests} requests, {args.concurrency} in flight")
+        engine_alone(engine, work[: min(4, len(work))], args.concurrency)  # warm-up
+        alone = engine_alone(engine, work, args.concurrency)
+        server = natsd.start(Path(tmp) / "nats")
+        try:
+            api_key = tenants.add_key("bench")
+            config = BusConfig(servers=(server.url,))
+            progress("pipeline: starting every stage on a private nats-server")
+            piped = anyio.run(
+                _pipeline_side, config, api_key, work, args.concurrency, engine, progress,
+                backend="asyncio", backend_options={"use_uvloop": True},
+            )  # fmt: skip
+        finally:
+            natsd.stop(server)
+    pipe = analyse(piped["seen"])
+    pipe["wall_s"] = piped["wall_s"]
+    pipe["tokens"] = sum(len(x) for x in pipe["token_ids"])
+    result = {
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "alone": {k: v for k, v in alone.items() if k != "token_ids"},
+        "pipeline": {k: v for k, v in pipe.items() if k != "token_ids"},
+        "same_token_ids": sorted(map(tuple, alone["token_ids"]))
+        == sorted(map(tuple, pipe["token_ids"])),
+        "targets": {
+            "overhead": bool(pipe["overhead_ms"])
+            and pct(pipe["overhead_ms"], 0.5) <= TARGETS_MS["overhead_p50"]
+            and pct(pipe["overhead_ms"], 0.95) <= TARGETS_MS["overhead_p95"],
+            "token_trip": bool(pipe["token_trip_ms"])
+            and pct(pipe["token_trip_ms"], 0.95) <= TARGETS_MS["token_trip_p95"],
+        },
+    }
+    table = markdown(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pipeline.md").write_text(table + "\n")
+    (args.out / "pipeline.json").write_text(json.dumps(result, indent=1))
+    print(table)
+    print(f"\nwrote {args.out / 'pipeline.md'} and {args.out / 'pipeline.json'}", file=sys.stderr)
+    return 0 if pipe["failed"] == 0 else 1
