@@ -103,5 +103,7 @@ ARCHIVE_DIR_ENV = "BRIGADE_ARCHIVE_DIR"
 
 
 def default_archive_dir() -> Path:
-    """Where the archiver writes and the tools read: $BRIGADE_ARCHIVE_DIR, else .brigade/archive."""
-    return Path(os.environ.get(ARCHIVE_DIR_ENV) or Path(".brigade") / "archive")
+    """Where the archiver writes and the tools read: $BRIGADE_ARCHIVE_DIR, else `archive` in
+    the data directory ($BRIGADE_DATA_DIR, else .brigade)."""
+    data_dir = Path(os.environ.get("BRIGADE_DATA_DIR") or ".brigade")
+    return Path(os.environ.get(ARCHIVE_DIR_ENV) or data_dir / "archive")

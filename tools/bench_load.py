@@ -69,10 +69,9 @@ def client_summary(result, sla: Sla) -> dict:
 
 
 async def read_log(request_ids: set[str], start_seq: int) -> list[dict]:
-    from stages.bus import Bus
-    from tools.logsource import read_rows
+    from tools.logsource import connect, read_rows
 
-    bus = await Bus.connect(name="brigade-bench-log")
+    bus = await connect("brigade-bench-log")
     try:
         return await read_rows(bus.js, start_seq=start_seq, request_ids=request_ids)
     finally:
@@ -174,11 +173,10 @@ def _target(args, timeout_s: float):
 
 async def measure(args, workload, *, rate=None, concurrency=None, count: int, seed: int):
     """One run plus its cross-check: (client summary, cross-check, result)."""
-    from stages.bus import Bus
     from tools.loadgen import run_load
-    from tools.logsource import last_seq
+    from tools.logsource import connect, last_seq
 
-    bus = await Bus.connect(name="brigade-bench-seq")
+    bus = await connect("brigade-bench-seq")
     try:
         start_seq = await last_seq(bus.js) + 1
     finally:
@@ -291,7 +289,6 @@ def plot_capacity(steps: list[dict], path: Path, sla: Sla) -> Path:
 
 
 def run(args) -> int:
-    import anyio
 
     from tools.workload import Workload, parse_lengths
 
@@ -305,6 +302,16 @@ def run(args) -> int:
     except ValueError as err:
         print(f"brigade bench load: {err}", file=sys.stderr)
         return 2
+    try:
+        return _run(args, workload, rates)
+    except RuntimeError as err:  # no NATS, or it went away
+        print(f"brigade bench load: {err}", file=sys.stderr)
+        return 1
+
+
+def _run(args, workload, rates: list[float]) -> int:
+    import anyio
+
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     sla = Sla()

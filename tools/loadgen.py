@@ -41,10 +41,10 @@ class BusTarget:
         self.timeout_s = timeout_s
 
     async def __aenter__(self) -> BusTarget:
-        from stages.bus import Bus
         from tools.busclient import EventTap
+        from tools.logsource import connect
 
-        self.bus = await Bus.connect(name="brigade-bench-load")
+        self.bus = await connect("brigade-bench-load")
         self.tap = EventTap(self.bus.nc)
         await self.tap.start()
         return self

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import NotFoundError
 
@@ -79,18 +80,47 @@ async def last_seq(js) -> int:
     return (await js.stream_info(subjects.EVENTS_STREAM)).state.last_seq
 
 
+async def connect(name: str):
+    """A Bus for a command-line tool: NATS_URL or the running `brigade up`, failing fast (no
+    endless reconnect at start) with the URL in the error."""
+    import nats
+
+    from stages.bus import Bus, BusConfig
+
+    config = BusConfig.from_env(connect_timeout_s=2.0)
+
+    async def quiet(err: Exception) -> None:
+        log.debug("nats: %s", err)
+
+    try:
+        nc = await nats.connect(
+            servers=list(config.servers),
+            name=name,
+            connect_timeout=config.connect_timeout_s,
+            allow_reconnect=False,
+            max_reconnect_attempts=1,  # 0 would mean "forever" at start in nats-py
+            reconnect_time_wait=0.2,
+            error_cb=quiet,
+        )
+    except (OSError, TimeoutError, NatsError) as err:
+        raise RuntimeError(
+            f"cannot reach NATS at {', '.join(config.servers)} ({type(err).__name__}: {err}); "
+            "is `brigade up` running, or NATS_URL right?"
+        ) from err
+    return Bus(nc, config)
+
+
 def stream_tail(archive_dir: Path, *, request_id: str | None = None) -> list[dict] | None:
     """Rows the archive does not hold yet (after its checkpoint; one request's, when given), read
     from the running NATS; None when no NATS is configured or reachable."""
     import anyio
 
-    from stages.bus import Bus, BusConfig
     from stages.parquet_log import archived_through
 
     checkpoint = archived_through(archive_dir)
 
     async def read() -> list[dict]:
-        bus = await Bus.connect(BusConfig.from_env(connect_timeout_s=2.0), name="brigade-tools")
+        bus = await connect("brigade-tools")
         try:
             if request_id is not None:
                 rows = await request_rows(bus.js, request_id)
@@ -101,6 +131,6 @@ def stream_tail(archive_dir: Path, *, request_id: str | None = None) -> list[dic
 
     try:
         return anyio.run(read)
-    except (RuntimeError, OSError, TimeoutError, NotFoundError) as err:
+    except (RuntimeError, OSError, TimeoutError, NatsError) as err:
         log.info("event stream not read (%s): using the archive alone", err)
         return None

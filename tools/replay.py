@@ -115,10 +115,10 @@ async def rerun(submit, timeout_s: float):
     """Submit again through the bus and wait for the new run; its RunRecord."""
     import anyio
 
-    from stages.bus import Bus
     from tools.busclient import EventTap
+    from tools.logsource import connect
 
-    bus = await Bus.connect(name="brigade-replay")
+    bus = await connect("brigade-replay")
     tap = EventTap(bus.nc, subject=f"llm.ev.{submit.request_id}.>")
     try:
         await tap.start()
@@ -181,6 +181,9 @@ def _rerun(con, args) -> int:
     submit = submit_for(request, seed, new_id, args.api_key or dev_key())
     try:
         record = anyio.run(rerun, submit, args.timeout)
+    except RuntimeError as err:
+        print(f"brigade replay: {err}", file=sys.stderr)
+        return 1
     except TimeoutError:
         print(
             f"brigade replay: rerun {new_id} did not finish in {args.timeout:g} s (--timeout)",
