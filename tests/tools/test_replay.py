@@ -48,9 +48,9 @@ async def stream_run(bus: Bus, rid: str, ids: list[int]) -> None:
 async def test_replay_equals_what_the_client_received(
     bus_config: BusConfig, tmp_path: Path, monkeypatch, capsys
 ):
-    from engine.tokenizer import load_tokenizer
+    from stages.tokenize import served_model, tokenizer_for
 
-    ids = load_tokenizer(detokenize.DEFAULT_MODEL).encode(TEXT)
+    ids = tokenizer_for(served_model()).encode(TEXT)  # the tokenizer detokenize itself uses
     assert len(ids) > 10
     bus = await Bus.connect(bus_config)
     await bus.ensure_streams()
