@@ -9,12 +9,12 @@ import anyio
 import pytest
 
 from schemas import events as ev
-from stages import detokenize
 from stages.archiver import Archiver, ArchiverConfig
 from stages.bus import Bus, BusConfig
 from tools.busclient import EventTap
 from tools.cli import main
 from tools.replay import first_difference, submit_for
+from tools.stage import serve_stage
 
 TEXT = "Grüße 👋🏽 from 東京! Ünïcödé ✓"
 
@@ -59,7 +59,9 @@ async def test_replay_equals_what_the_client_received(
     stop, ready = anyio.Event(), anyio.Event()
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: detokenize.serve(config=bus_config, stop=stop, ready=ready))
+            tg.start_soon(
+                lambda: serve_stage("detokenize", config=bus_config, stop=stop, ready=ready)
+            )
             await ready.wait()
             record = tap.watch("rp-1")
             await stream_run(bus, "rp-1", ids)
