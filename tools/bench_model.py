@@ -56,6 +56,27 @@ def time_step(model, config, qlens, slens, *, repeats: int, block_size: int = 16
     return statistics.median(times[1:])
 
 
+def hf_decode_tok_s(model_name: str, context: int, new_tokens: int = 32) -> float:
+    """transformers fp32 `generate` decode speed on the same context, for comparison."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.weights import resolve_model
+
+    path = resolve_model(model_name)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, context))
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t0
+
+    run(2)
+    return new_tokens / (run(new_tokens + 1) - run(1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m")
@@ -64,6 +85,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="cached tokens per decode seq")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--hf", action="store_true", help="also time transformers fp32 decode")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -80,6 +102,9 @@ def main() -> None:
             f"{batch / s:7.1f} tok/s"
         )
     s = time_step(model, config, [512], [512], repeats=max(2, args.repeats // 4))
+    if args.hf:
+        tok_s = hf_decode_tok_s(args.model, args.context)
+        print(f"transformers fp32 generate, batch 1 @ {args.context} ctx: {tok_s:7.1f} tok/s")
     print(f"prefill 512 tokens:        {s * 1e3:7.1f} ms      {512 / s:7.1f} tok/s")
 
 
