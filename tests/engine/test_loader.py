@@ -78,7 +78,7 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(path, weights):
-    """The same tiny model as llama.cpp would write it: Q8_0 / Q4_1 / F32, q and k permuted."""
+    """The same tiny model as llama.cpp would write it: Q8_0 / Q4_1 / F16 / F32, q, k permuted."""
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in [
         ("block_count", 2), ("context_length", 128), ("embedding_length", 64),
@@ -108,7 +108,8 @@ def write_gguf(path, weights):
             writer.add_tensor(gname + ".weight", arr)
             dequantized[name] = t
             continue
-        qtype = gguf.GGMLQuantizationType.Q4_1 if "ffn" in gname else gguf.GGMLQuantizationType.Q8_0
+        q = gguf.GGMLQuantizationType
+        qtype = q.Q4_1 if "ffn" in gname else q.F16 if "attn_v" in gname else q.Q8_0
         deq = gguf.quants.dequantize(gguf.quants.quantize(arr, qtype), qtype)
         dequantized[name] = torch.from_numpy(deq.copy())
         if "attn_q" in gname or "attn_k" in gname:
