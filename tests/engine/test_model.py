@@ -127,3 +127,23 @@ def test_chunked_prefill_mixed_with_decode_matches(fp32_model):
     out = greedy(runner, {0: a["prompt_ids"], 1: b["prompt_ids"]}, {0: 8, 1: 12}, chunk=17)
     assert out[0] == a["greedy_ids"]
     assert out[1] == b["greedy_ids"][:12]
+
+
+def test_default_bf16_int4_decode_model_follows_the_reference():
+    """The fast default (bf16, int4 GEMVs for decode, dense prefill) is not garbage: a
+    high-margin continuation survives. Exactness is fp32's job; bf16 flips low-margin ties."""
+    model, config = load_model("smollm2-135m", dtype="bfloat16")
+    assert model.quantization == "int4-decode"
+    runner = PagedRunner(model, config)
+    runner.caches = [(k.bfloat16(), v.bfloat16()) for k, v in runner.caches]
+    ref = CONVS[1]
+    out = greedy(runner, {0: ref["prompt_ids"]}, {0: 6})
+    assert out[0] == ref["greedy_ids"][:6]  # "The sky is blue because of"
+
+
+def test_forward_checks_the_number_of_kv_caches(fp32_model):
+    model, config = fp32_model
+    runner = PagedRunner(model, config)
+    with pytest.raises(ValueError, match="29 KV caches for 30 layers"):
+        runner.caches = runner.caches[:29]
+        runner.step({0: [1, 2, 3]})
