@@ -20,16 +20,18 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
 
 
-def token_layout(query_lens: list[int], seq_lens: list[int], device: torch.device) -> tuple:
-    """Per-token sequence index and number of keys attended: ([T] int32, [T] int32)."""
-    seq_idx, ctx_len = [], []
+def token_layout(
+    query_lens: list[int], seq_lens: list[int], device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Per-token sequence index [T] int32 and number of keys it attends [T] int32."""
+    seq_idx: list[int] = []
+    ctx_len: list[int] = []
     for i, (ql, sl) in enumerate(zip(query_lens, seq_lens, strict=True)):
         seq_idx += [i] * ql
         ctx_len += range(sl - ql + 1, sl + 1)
-    as_tensor = torch.tensor
     return (
-        as_tensor(seq_idx, dtype=torch.int32, device=device),
-        as_tensor(ctx_len, dtype=torch.int32, device=device),
+        torch.tensor(seq_idx, dtype=torch.int32, device=device),
+        torch.tensor(ctx_len, dtype=torch.int32, device=device),
     )
 
 
