@@ -3,6 +3,7 @@ in one run; Brigade's own overhead per request and per streamed token, from the 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -35,6 +36,12 @@ def register(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
     p.add_argument("--out", type=Path, default=Path(".brigade/bench"), help="output directory")
     p.add_argument("--quick", action="store_true", help="8 requests, 4 in flight, 8 tokens")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="every stage in this process, as `brigade up` (default: one process per stage, as "
+        "compose and `brigade up --procs`)",
+    )
     p.set_defaults(func=run)
 
 
@@ -284,7 +291,8 @@ def markdown(result: dict) -> str:
         f"| full pipeline | {_f(pct(p['ttft_ms'], 0.5), 0)} | {_f(pct(p['ttft_ms'], 0.95), 0)} | {_f(pct(p['e2e_ms'], 0.5), 0)} | {_f(pct(p['e2e_ms'], 0.95), 0)} | {p['tokens'] / p['wall_s']:.1f} |",
         "",
         f"{result['requests']} requests per side, {result['concurrency']} in flight, {result['max_tokens']} output tokens each; "
-        f"identical token ids on both sides: {result['same_token_ids']}; failed through the pipeline: {p['failed']}; "
+        f"layout: {result['layout']}; identical token ids on both sides: {result['same_token_ids']}; "
+        f"failed through the pipeline: {p['failed']}; "
         f"{result['machine']}.",
     ]
     return "\n".join(rows)
@@ -320,6 +328,43 @@ async def _pipeline_side(config, api_key, work, concurrency, engine, progress) -
     return out
 
 
+def _procs_side(server, config, api_key, work, concurrency, progress) -> dict:
+    """Every stage its own `brigade stage NAME` process, as compose runs them; this process is
+    only the client."""
+    import subprocess
+
+    import anyio
+
+    from tools.stage import PIPELINE, command
+    from tools.up import _connected
+
+    env = dict(os.environ, NATS_URL=server.url)
+    procs = []
+    try:
+        for name in PIPELINE:
+            argv = [sys.executable, "-m", "tools.cli", *command(name)[1:], "--log-level", "WARNING"]
+            procs.append(subprocess.Popen(argv, env=env))
+            deadline = time.monotonic() + 300
+            while not _connected(server.monitor_url, name):
+                if procs[-1].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"stage {name} did not start (exit {procs[-1].poll()})")
+                time.sleep(0.1)
+        progress("pipeline: every stage up in its own process; sending requests")
+        return anyio.run(
+            through_pipeline, config, api_key, work, concurrency,
+            backend="asyncio", backend_options={"use_uvloop": True},
+        )  # fmt: skip
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def run(args) -> int:
     import anyio
 
@@ -329,6 +374,7 @@ def run(args) -> int:
     def progress(msg: str) -> None:
         print(f"  [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="brigade-bench-") as tmp:
         os.environ["BRIGADE_DATA_DIR"] = tmp  # ledger, tenants and archive of this run only
         os.environ.pop("BRIGADE_TENANTS", None)
@@ -348,10 +394,15 @@ def run(args) -> int:
             api_key = tenants.add_key("bench")
             config = BusConfig(servers=(server.url,))
             progress("pipeline: starting every stage on a private nats-server")
-            piped = anyio.run(
-                _pipeline_side, config, api_key, work, args.concurrency, engine, progress,
-                backend="asyncio", backend_options={"use_uvloop": True},
-            )  # fmt: skip
+            if args.in_process:
+                piped = anyio.run(
+                    _pipeline_side, config, api_key, work, args.concurrency, engine, progress,
+                    backend="asyncio", backend_options={"use_uvloop": True},
+                )  # fmt: skip
+            else:
+                del engine  # the engine stage loads its own, in its own process
+                gc.collect()
+                piped = _procs_side(server, config, api_key, work, args.concurrency, progress)
         finally:
             natsd.stop(server)
     pipe = analyse(piped["seen"])
@@ -361,7 +412,9 @@ def run(args) -> int:
         "requests": args.requests,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "layout": "one process" if args.in_process else "one process per stage",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"1-min load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run",
         "alone": {k: v for k, v in alone.items() if k != "token_ids"},
         "pipeline": {k: v for k, v in pipe.items() if k != "token_ids"},
         "same_token_ids": sorted(map(tuple, alone["token_ids"]))
