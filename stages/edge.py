@@ -230,6 +230,7 @@ class Edge:
             self.metrics.e2e.observe(time.monotonic() - started)
         finally:
             self.metrics.open_streams.dec()
+            self.gate.release(watch.request_id)  # no longer followed here: not waiting work
 
 
 def reserved_tokens(submit: Submit) -> int:
