@@ -115,6 +115,7 @@ class Bus:
         self.js: JetStreamContext = nc.jetstream()
         self.config = config
         self._kv: dict[str, KeyValue] = {}
+        self._pulls: list[JetStreamContext.PullSubscription] = []
 
     @classmethod
     async def connect(cls, config: BusConfig | None = None, *, name: str = "brigade") -> Bus:
@@ -126,6 +127,7 @@ class Bus:
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             allow_reconnect=True,
+            drain_timeout=10,
         )
         return cls(nc, config)
 
@@ -133,6 +135,13 @@ class Bus:
         """Flush what was published, then close (`drain` also unsubscribes gracefully)."""
         if self.nc.is_closed:
             return
+        # nats.py's fetch takes messages without task_done, so draining a pull subscription
+        # would wait for its queue forever: unsubscribe those first (unacked work is redelivered).
+        for sub in self._pulls:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - already unsubscribed
+                pass
         try:
             await self.nc.drain()
         except Exception:  # noqa: BLE001 - already closing; nothing left to protect
@@ -252,7 +261,9 @@ class Bus:
 
     async def pull(self, spec: ConsumerSpec) -> JetStreamContext.PullSubscription:
         await self.ensure_consumer(spec)
-        return await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+        sub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+        self._pulls.append(sub)
+        return sub
 
     # ---- publishing ----
 
