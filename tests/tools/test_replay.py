@@ -115,3 +115,36 @@ def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+@pytest.mark.anyio
+async def test_real_run_replays_as_received_and_reruns_identically(brigade_up, monkeypatch, capsys):
+    """Through every stage with the real model: replay gives the client's text; --rerun with
+    the run's seed gives the same token ids (sampled at temperature 0.9, so the seed matters)."""
+    from tools.logsource import connect
+
+    brigade_up.env(monkeypatch)
+    bus = await connect("test-replay")
+    tap = EventTap(bus.nc)
+    await tap.start()
+    try:
+        submit = ev.Submit(
+            request_id="replay-real-1",
+            api_key=brigade_up.api_key,
+            messages=[ev.Message(role="user", content="Write one line about the sea.")],
+            temperature=0.9,
+            max_tokens=12,
+            seed=20261129,
+        )
+        record = await tap.submit(bus.js, submit)
+        with anyio.fail_after(120):
+            await record.done.wait()
+    finally:
+        await tap.stop()
+        await bus.close()
+    assert record.ok and len(record.all_token_ids()) == 12
+    assert await anyio.to_thread.run_sync(main, ["replay", "replay-real-1"]) == 0
+    assert capsys.readouterr().out == record.text + "\n"
+    assert await anyio.to_thread.run_sync(main, ["replay", "replay-real-1", "--rerun"]) == 0
+    out = capsys.readouterr().out
+    assert "12 token ids vs 12 originally" in out and "identical token ids" in out
