@@ -40,11 +40,8 @@ import inspect
 import json
 import logging
 import os
-import re
 import signal
 import time
-import uuid
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,30 +53,13 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.events import Event, RequestFailed
 from stages.bus import Bus, BusConfig, ConsumerSpec
+from stages.cancels import CancelledRequests
+from stages.failures import StageError, error_field, new_request_id, read_envelope
 
 log = logging.getLogger("brigade.runtime")
 
 Handler = Callable[[Any, Any], "list[Event] | Awaitable[list[Event]]"]
 ReplyFn = Callable[[list[Event]], bytes]
-_REQUEST_ID = re.compile(subjects.REQUEST_ID_PATTERN)
-
-
-class StageError(Exception):
-    """Raised by a handler to fail its request with a precise code, message and field."""
-
-    def __init__(
-        self,
-        code: str,
-        message: str,
-        *,
-        field: str | None = None,
-        retry_after_s: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.field = field
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,40 +108,6 @@ class StageSpec:
         )
 
 
-class CancelledRequests:
-    """Request ids whose `cancel` event was seen, fed by a plain subscription (bounded LRU)."""
-
-    def __init__(self, capacity: int = 100_000) -> None:
-        self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
-        self._callbacks: list[Callable[[str], None]] = []
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._ids
-
-    def add(self, request_id: str) -> None:
-        if request_id in self._ids:
-            return
-        self._ids[request_id] = None
-        if len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
-        for callback in self._callbacks:
-            callback(request_id)
-
-    def on_cancel(self, callback: Callable[[str], None]) -> None:
-        self._callbacks.append(callback)
-
-    async def subscribe(self, bus: Bus) -> Any:
-        """Feed the set from a plain subscription on llm.ev.*.cancel; returns the subscription."""
-
-        async def seen(msg: Msg) -> None:
-            self.add(msg.subject.split(".")[-2])
-
-        sub = await bus.nc.subscribe(subjects.all_events("cancel"), cb=seen)
-        await bus.nc.flush()
-        return sub
-
-
 @dataclass(kw_only=True)
 class StageContext:
     """What `setup` gets: the bus, the spec, the cancel set."""
@@ -169,44 +115,6 @@ class StageContext:
     bus: Bus
     spec: StageSpec
     cancels: CancelledRequests = field(default_factory=CancelledRequests)
-
-
-class _Envelope(msgspec.Struct):
-    request_id: Any = None
-    tenant: Any = None
-
-
-_envelope_decoder = msgspec.json.Decoder(_Envelope)
-_FIELD_AT = re.compile(r"at `\$\.?([^`]*)`")
-_MISSING = re.compile(r"missing required field `([^`]+)`")
-
-
-def error_field(err: Exception) -> str | None:
-    """The field a msgspec error names: 'Expected ... - at `$.top_p`' -> 'top_p'."""
-    text = str(err)
-    at = _FIELD_AT.search(text)
-    path = at.group(1) if at else ""
-    missing = _MISSING.search(text)
-    if missing:
-        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
-    return path or None
-
-
-def read_envelope(data: bytes) -> tuple[str | None, str | None]:
-    """Best-effort request id and tenant from any JSON object; (None, None) if unreadable."""
-    try:
-        env = _envelope_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None, None
-    rid = env.request_id if isinstance(env.request_id, str) else None
-    if rid is not None and not _REQUEST_ID.match(rid):
-        rid = None
-    tenant = env.tenant if isinstance(env.tenant, str) else None
-    return rid, tenant
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 ACK_WAIT_ENV = "BRIGADE_ACK_WAIT_S"  # every stage's ack_wait (redelivery after a crash)
