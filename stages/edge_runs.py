@@ -60,8 +60,8 @@ class RunRoutes:
         record = await edge.runs.get(rid)
         state = record.state if record is not None else "queued"
         last_seq = record.last_seq if record is not None else None
-        if state in ("prefill", "streaming", "queued"):
-            last_seq = await self._last_text_seq(rid)
+        if state in ("prefill", "streaming", "queued") or last_seq is None:
+            last_seq = await self._last_text_seq(rid)  # live, or the end not projected yet
         body = {
             "id": rid,
             "object": "run",

@@ -7,6 +7,7 @@ event is stored — so a killed worker's request is re-run (same seed) and dedup
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -206,9 +207,38 @@ class EngineStage:
             await self.worker.fail(msg, event, err, started)
             return
         run.params = run_params
+        if msg.metadata.num_delivered > 1 and not await self._resume(run):
+            return
         self.runs[rid] = run
         self._to_add.append(run)
         self._work.set()
+
+    async def _resume(self, run: Run) -> bool:
+        """A redelivery: the worker that had this request died. Continue after the deltas it
+        stored (they become part of the prompt, seq numbering goes on), so the text a client
+        already has stays true. False when nothing is left to run (already finished, or done)."""
+        stored = await self.bus.replay(run.request_id)
+        if any(isinstance(e, RunFinished) for e in stored):
+            await run.msg.ack()  # finished was stored; only the ack was lost
+            return False
+        by_seq = {e.seq: e for e in stored if isinstance(e, TokensGenerated)}
+        for seq in range(len(by_seq)):
+            if seq not in by_seq:
+                break
+            run.output_ids.extend(by_seq[seq].token_ids)
+            run.num_tokens_through.append(len(run.output_ids))
+        if not run.output_ids:
+            return True
+        p = run.params
+        left = p.max_tokens - len(run.output_ids)
+        log.info("resuming %s after %d stored tokens", run.request_id, len(run.output_ids))
+        if left <= 0:
+            await self._finish(run, "length", len(run.event.prompt_token_ids), p.seed)
+            return False
+        run.params = dataclasses.replace(
+            p, max_tokens=left, min_tokens=max(0, p.min_tokens - len(run.output_ids))
+        )
+        return True
 
     def _add_pending(self) -> list[tuple[Run, StageError]]:
         """Hand fetched requests to the engine (between steps only: the core is not thread-safe)."""
@@ -217,7 +247,10 @@ class EngineStage:
             priority = 1 if run.event.priority == "batch" else 0
             try:
                 self.engine.add_request(
-                    run.request_id, run.event.prompt_token_ids, run.params, priority
+                    run.request_id,
+                    run.event.prompt_token_ids + run.output_ids,
+                    run.params,
+                    priority,
                 )
                 run.added_ns = time.monotonic_ns()
             except ValueError as err:
@@ -321,7 +354,8 @@ class EngineStage:
             run.pending.append((event, await self.bus.publish_async(event)))
         if out.finished:
             del self.runs[run.request_id]
-            tg.start_soon(self._finish, run, out.finish_reason, out.num_prompt_tokens, out.seed)
+            num_prompt = len(run.event.prompt_token_ids)  # a resumed run's prompt holds outputs
+            tg.start_soon(self._finish, run, out.finish_reason, num_prompt, out.seed)
 
     async def _finish(
         self, run: Run, reason: str, num_prompt_tokens: int, seed: int | None
@@ -356,6 +390,7 @@ class EngineStage:
         added = run.added_ns or now
         first = run.first_token_ns or now
         ids = run.output_ids[:num_out]
+        stats = self.engine.stats()  # after an abort its blocks are already back in the pool
         return RunFinished(
             request_id=run.request_id,
             tenant=run.event.tenant,
@@ -370,6 +405,9 @@ class EngineStage:
             prefill_ns=first - added,
             decode_ns=now - first,
             cancel_reason=cancel_reason,
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            kv_usage=round(stats.kv_usage, 4),
         )
 
     async def keep_alive(self) -> None:

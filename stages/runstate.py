@@ -87,7 +87,12 @@ def apply(record: RunRecord | None, event: AnyEvent) -> RunRecord | None:
             return msgspec.structs.replace(record, tenant=event.tenant)  # auth named it
         return None  # the next token of a streaming run: nothing to write
     try:
-        check(current, new)
+        if isinstance(event, RunBilled) and current not in TERMINAL:
+            # handled before its run's end (workers race): `billed` names the end, pass through it
+            check(current, event.status)
+            check(event.status, new)
+        else:
+            check(current, new)
     except IllegalTransition:
         return None
     fields: dict[str, object] = {"state": new, "updated_ns": event.ts_ns}
@@ -104,6 +109,8 @@ def apply(record: RunRecord | None, event: AnyEvent) -> RunRecord | None:
         fields |= {"usage": event.usage, "error_code": event.code}
     elif isinstance(event, RunBilled):
         fields["usage"] = event.usage
+        if current not in TERMINAL:
+            fields["finish_reason"] = event.status
     if record is None:
         return RunRecord(request_id=event.request_id, **fields)  # type: ignore[arg-type]
     return msgspec.structs.replace(record, **fields)

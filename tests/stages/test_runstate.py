@@ -57,6 +57,13 @@ def test_illegal_transitions_are_refused(current, new):
         check(current, new)
 
 
+def test_billed_before_its_end_passes_through_the_end():
+    streaming = apply(None, TokensGenerated(request_id="r1", tenant="acme", seq=0, token_ids=[5]))
+    rec = apply(streaming, RunBilled(request_id="r1", status="cancelled", usage=USAGE))
+    assert (rec.state, rec.usage, rec.finish_reason) == ("billed", USAGE, "cancelled")
+    assert apply(rec, RunCancelled(request_id="r1", usage=USAGE, last_seq=4)) is None
+
+
 def test_late_events_never_move_a_finished_run():
     done = apply(None, RunCancelled(request_id="r1", usage=USAGE, last_seq=4))
     assert done.state == "cancelled"

@@ -1,0 +1,274 @@
+"""The edge with the real pipeline behind it (every stage, the real model, a real nats-server),
+driven by the official `openai` SDK, a plain `websockets` client and httpx."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import anyio
+import httpx
+import msgspec
+import openai
+import pytest
+import websockets
+
+from schemas import subjects
+from schemas.events import TextGenerated, decode_event
+from stages import tenants
+from stages.admission import AdmissionConfig
+from stages.bus import Bus
+from stages.edge_keys import KeyRing
+from tests.stages.edge_harness import ACME_KEY, GLOBEX_KEY, MODEL
+from tests.stages.pipeline_harness import running_pipeline
+
+pytestmark = pytest.mark.anyio
+SLOW_KEY = "brg-slow-tenant-key-0000000000000"
+PROMPT = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio", {"use_uvloop": True}
+
+
+@pytest.fixture(scope="module")
+async def pipeline(tmp_path_factory):
+    data = tmp_path_factory.mktemp("pipeline")
+    path = data / "tenants.toml"
+    tenants.add_key("acme", path=path, api_key=ACME_KEY)
+    tenants.add_key("globex", path=path, api_key=GLOBEX_KEY)
+    tenants.add_key("slow", path=path, api_key=SLOW_KEY)
+    file = tenants.read_file(path)
+    file.tenants["globex"] = msgspec.structs.replace(file.tenants["globex"], allowed_models=[MODEL])
+    file.tenants["slow"] = msgspec.structs.replace(file.tenants["slow"], requests_per_min=1)
+    tenants.write_file(path, file)
+    before = os.environ.get(tenants.TENANTS_ENV)
+    os.environ[tenants.TENANTS_ENV] = str(path)
+    admission = AdmissionConfig(max_waiting_tokens=400)
+    try:
+        async with running_pipeline(data, KeyRing(path, (MODEL,)), admission=admission) as running:
+            yield running
+    finally:
+        if before is None:
+            os.environ.pop(tenants.TENANTS_ENV, None)
+        else:
+            os.environ[tenants.TENANTS_ENV] = before
+
+
+def _client(edge, key: str = ACME_KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{edge.url}/v1", api_key=key, max_retries=0)
+
+
+async def test_openai_sdk_streamed_and_not_agree(pipeline):
+    edge, _ = pipeline
+    client = _client(edge)
+    whole = await client.chat.completions.create(
+        model=MODEL, messages=PROMPT, max_tokens=8, temperature=0.0
+    )
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.completion_tokens, whole.usage.total_tokens > 8) == (8, True)
+    text = whole.choices[0].message.content
+    assert text
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=PROMPT, max_tokens=8, temperature=0.0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    pieces, reasons, usage = [], [], None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == text  # greedy: the same 8 tokens, in order, none twice
+    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+    assert usage.completion_tokens == 8
+
+    done = await client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=5, temperature=0
+    )
+    assert (done.choices[0].finish_reason, done.usage.completion_tokens) == ("length", 5)
+    pieces = [c.choices[0].text async for c in await client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=5, temperature=0, stream=True)]  # fmt: skip
+    assert "".join(pieces) == done.choices[0].text
+
+
+async def test_websocket_stream_resume_and_run_state(pipeline):
+    edge, _ = pipeline
+    auth = {"Authorization": f"Bearer {ACME_KEY}"}
+    async with websockets.connect(edge.ws_url, additional_headers=auth) as ws:
+        await ws.send(json.dumps({"type": "response.create", "response": {
+            "messages": PROMPT, "max_tokens": 6, "temperature": 0}}))  # fmt: skip
+        created = json.loads(await ws.recv())
+        assert created["type"] == "response.created"
+        rid = created["request_id"]
+        deltas, done = [], None
+        while done is None:
+            event = json.loads(await ws.recv())
+            assert event["type"] != "error", event
+            if event["type"] == "response.output_text.delta":
+                deltas.append(event)
+            else:
+                done = event
+    seqs = [d["seq"] for d in deltas]
+    assert seqs == list(range(len(seqs)))  # in order, no gap, none twice
+    assert (done["status"], done["finish_reason"], done["usage"]["completion_tokens"]) == (
+        "incomplete", "length", 6)  # fmt: skip
+    assert done["last_seq"] == seqs[-1]
+    text = "".join(d["text"] for d in deltas)
+
+    async with websockets.connect(edge.ws_url, additional_headers=auth) as ws:
+        await ws.send(
+            json.dumps({"type": "response.resume", "request_id": rid, "starting_after": 2})
+        )
+        assert json.loads(await ws.recv())["type"] == "response.created"
+        rest = []
+        while (event := json.loads(await ws.recv()))["type"] == "response.output_text.delta":
+            rest.append(event)
+        assert [d["seq"] for d in rest] == seqs[3:]
+        assert "".join(d["text"] for d in deltas[:3] + rest) == text
+        assert event["status"] == "incomplete"
+
+    async with httpx.AsyncClient(base_url=edge.url, headers=auth) as http:
+        r = await http.get(f"/v1/runs/{rid}/stream", params={"starting_after": 4})
+        lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        events = [json.loads(x) for x in lines[:-1]]
+        assert [e["seq"] for e in events if "seq" in e] == seqs[5:]
+        assert events[-1]["type"] == "response.done"
+        deadline = time.monotonic() + 10
+        while (run := (await http.get(f"/v1/runs/{rid}")).json())["state"] != "billed":
+            assert time.monotonic() < deadline, run
+        assert (run["last_seq"], run["usage"]["completion_tokens"]) == (seqs[-1], 6)
+        theirs = await http.get(
+            f"/v1/runs/{rid}", headers={"Authorization": f"Bearer {GLOBEX_KEY}"}
+        )
+        assert theirs.status_code == 404
+
+
+async def test_idempotency_key_runs_once(pipeline):
+    edge, config = pipeline
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 4, "temperature": 0}
+    headers = {"Authorization": f"Bearer {ACME_KEY}", "Idempotency-Key": "order-42"}
+    async with httpx.AsyncClient(base_url=edge.url, headers=headers, timeout=60) as http:
+        first = await http.post("/v1/chat/completions", json=body)
+        again = await http.post("/v1/chat/completions", json=body)
+        other = await http.post("/v1/chat/completions", json={**body, "max_tokens": 5})
+    assert first.status_code == again.status_code == 200
+    assert first.json()["id"] == again.json()["id"]
+    assert first.json()["choices"] == again.json()["choices"]
+    assert other.status_code == 409
+    assert other.json()["error"]["param"] == "idempotency_key"
+    rid = first.headers["X-Request-Id"]
+    bus = await Bus.connect(config)
+    try:
+        info = await bus.js.stream_info(subjects.EVENTS_STREAM, subjects_filter=f"llm.ev.{rid}.>")
+        counts = info.state.subjects or {}
+        for event in ("accepted", "tokenized", "completed"):
+            assert counts[subjects.event_subject(rid, event)] == 1, event
+    finally:
+        await bus.close()
+
+
+async def test_rate_limit_and_overload_answers(pipeline):
+    edge, _ = pipeline
+    slow = _client(edge, SLOW_KEY)
+    await slow.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as info:
+        await slow.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=1)
+    retry_after = int(info.value.response.headers["Retry-After"])
+    assert 55 <= retry_after <= 60
+    assert SLOW_KEY not in info.value.response.text
+
+    acme = _client(edge)
+    refused: list[float] = []
+
+    async def long_run() -> None:
+        await acme.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=300)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(long_run)  # waits for its first token for a while: 300+ tokens reserved
+        await anyio.sleep(0.05)
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as info:
+            await acme.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=300)
+        refused.append(time.monotonic() - started)
+        tg.cancel_scope.cancel()  # the first client leaves: its run is cancelled
+    assert info.value.status_code == 503
+    assert refused[0] < 0.5
+    assert "BRIGADE_EDGE_MAX_WAITING_TOKENS" in info.value.response.json()["error"]["message"]
+
+
+async def test_disconnect_cancels_the_run(pipeline):
+    edge, config = pipeline
+    bus = await Bus.connect(config)
+    try:
+        sub = await bus.nc.subscribe(subjects.all_events("cancelled"))
+        client = _client(edge)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=PROMPT, max_tokens=200, stream=True)  # fmt: skip
+        async for _chunk in stream:
+            break
+        await stream.close()
+        msg = await sub.next_msg(timeout=30)
+        cancelled = decode_event(msg.data)
+        assert cancelled.reason == "disconnect"
+        assert cancelled.tenant == "acme"
+        assert cancelled.usage.completion_tokens < 200
+    finally:
+        await bus.close()
+
+
+async def test_response_cancel_reaches_the_engine_and_the_ledger(pipeline):
+    """Cancel mid-stream: the engine stops within two steps and frees every KV block (it is the
+    only run), the ledger bills the partial usage as cancelled, and a late event changes nothing."""
+    edge, config = pipeline
+    auth = {"Authorization": f"Bearer {ACME_KEY}"}
+    async with websockets.connect(edge.ws_url, additional_headers=auth) as ws:
+        await ws.send(json.dumps({"type": "response.create", "response": {
+            "messages": PROMPT, "max_tokens": 200, "temperature": 0}}))  # fmt: skip
+        rid = json.loads(await ws.recv())["request_id"]
+        seen = []
+        while len(seen) < 3:
+            event = json.loads(await ws.recv())
+            assert event["type"] != "error", event
+            if event["type"] == "response.output_text.delta":
+                seen.append(event["seq"])
+        await ws.send(json.dumps({"type": "response.cancel"}))
+        while (event := json.loads(await ws.recv()))["type"] == "response.output_text.delta":
+            seen.append(event["seq"])
+    assert event["type"] == "response.done"
+    assert event["status"] == "cancelled"
+    assert seen == list(range(len(seen)))
+    assert 3 <= event["usage"]["completion_tokens"] < 200
+
+    bus = await Bus.connect(config)
+    try:
+        log = await bus.js.subscribe(
+            f"llm.ev.{rid}.>", stream=subjects.EVENTS_STREAM, ordered_consumer=True
+        )
+        events, billed = [], None
+        with anyio.fail_after(20):
+            while billed is None:
+                msg = await log.next_msg(timeout=10)
+                events.append(decode_event(msg.data))
+                if events[-1].__struct_config__.tag == "billed":
+                    billed = events[-1]
+        await log.unsubscribe()
+        tags = [e.__struct_config__.tag for e in events]
+        after_cancel = tags[tags.index("cancel") :]
+        assert after_cancel.count("tokens") <= 2  # the engine stopped within two steps
+        finished = events[tags.index("finished")]
+        assert finished.finish_reason == "abort"
+        assert finished.kv_usage == 0.0  # the only run: every block is back in the pool
+        assert (billed.status, billed.usage.completion_tokens) == (
+            "cancelled", event["usage"]["completion_tokens"])  # fmt: skip
+        await bus.publish(TextGenerated(request_id=rid, tenant="acme", seq=9999, text="late"))
+        async with httpx.AsyncClient(base_url=edge.url, headers=auth) as http:
+            await anyio.sleep(0.3)
+            run = (await http.get(f"/v1/runs/{rid}")).json()
+        assert run["state"] == "billed"
+    finally:
+        await bus.close()
