@@ -20,7 +20,7 @@ from schemas.events import (
     decoder_for,
 )
 from stages.bus import Bus, BusConfig
-from stages.runtime import StageError, StageSpec, StageWorker, error_field, serve
+from stages.runtime import StageError, StageSpec, StageWorker, serve
 
 pytestmark = pytest.mark.anyio
 
@@ -221,16 +221,6 @@ async def test_sigterm_finishes_in_flight_then_drains(bus_config: BusConfig) -> 
     assert await wait_for(bus, "llm.ev.slow1.authorized", 1) == 1
     assert await pending(bus) == (0, 0)
     await bus.close()
-
-
-def test_error_field_reads_msgspec_paths() -> None:
-    assert error_field(ValueError("Expected `float` <= 1.0 - at `$.top_p`")) == "top_p"
-    assert error_field(ValueError("Object missing required field `request`")) == "request"
-    assert (
-        error_field(ValueError("Object missing required field `role` - at `$.messages[0]`"))
-        == "messages[0].role"
-    )
-    assert error_field(ValueError("JSON is malformed: invalid character (byte 0)")) is None
 
 
 async def test_message_out_of_deliveries_fails_its_request(bus_config: BusConfig) -> None:
