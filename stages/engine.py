@@ -2,7 +2,7 @@
 
 Pulls `tokenized` only while KV capacity allows (admission), runs step() in a worker thread,
 publishes each step's tokens pipelined, and acks a request's input only after its `finished`
-event is stored — so a killed worker's request is re-run (same seed) and dedupe drops repeats.
+event is stored — so a killed worker's request is redelivered and resumed after its stored tokens.
 """
 
 from __future__ import annotations

@@ -94,9 +94,11 @@ async def test_tokens_match_the_engine_alone_with_seeds_and_context(bus_config, 
     expected = alone(engine, prompt, seed=11, max_tokens=4)
     async with running_stage(bus_config, engine) as bus:
         sub = await bus.nc.subscribe("llm.ev.*.>")
+        # One at a time: the engine's numerics depend on how many rows share a step.
         await bus.publish(tokenized("seeded", prompt, temperature=0.8, seed=11, max_tokens=4))
+        got = await events_until_end(sub, {"seeded"})
         await bus.publish(tokenized("noseed", prompt, temperature=0.8, max_tokens=2, stop=["xyz"]))
-        got = await events_until_end(sub, {"seeded", "noseed"})
+        got |= await events_until_end(sub, {"noseed"})
         with anyio.fail_after(10):  # the ack follows the stored `finished`
             while (info := await bus.js.consumer_info(EVENTS, "brigade-engine")).num_ack_pending:
                 await anyio.sleep(0.02)
@@ -164,3 +166,46 @@ def test_admission_room_counts_reserved_blocks_and_bounds():
     assert admission_room(num_free_blocks=40, reserved_blocks=30, num_active=1, **room) == 0
     assert admission_room(num_free_blocks=40, reserved_blocks=29, num_active=1, **room) == 4
     assert admission_room(num_free_blocks=5, reserved_blocks=6, num_active=1, **room) == 0
+
+
+@pytest.mark.anyio
+async def test_a_dead_workers_request_is_resumed_after_its_stored_tokens(
+    bus_config, engine, prompt, monkeypatch
+):
+    """Worker 1 dies (connection gone, nothing acked) after 3 tokens; worker 2 gets the
+    redelivery and continues at seq 3: every seq stored once, one `finished`, 6 tokens."""
+    from stages.engine import EngineStage
+    from stages.runtime import StageWorker
+
+    monkeypatch.setenv("BRIGADE_ACK_WAIT_S", "2")
+    client = await Bus.connect(bus_config)
+    await client.ensure_streams()
+    sub = await client.nc.subscribe("llm.ev.crash.>")
+    dead = await Bus.connect(bus_config)
+    worker = StageWorker(engine_stage.SPEC, dead, fetch_timeout_s=0.5)
+    await worker.start()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(EngineStage(engine, worker, AdmissionConfig()).run, anyio.Event())
+        await client.publish(tokenized("crash", prompt, max_tokens=6, ignore_eos=True, seed=9))
+        with anyio.fail_after(120):
+            while True:
+                event = decode_event((await sub.next_msg(timeout=120)).data)
+                if isinstance(event, TokensGenerated) and event.seq == 2:
+                    break
+        tg.cancel_scope.cancel()  # the worker dies mid-request ...
+    await dead.nc.close()  # ... and its connection with it
+    engine.abort_request("crash")  # a new process would not know the request either
+    while engine.has_unfinished_requests():
+        engine.step()
+    async with running_stage(bus_config, engine):
+        got = await events_until_end(sub, {"crash"})
+    stored = await client.replay("crash")
+    await client.close()
+    tokens = [e for e in stored if isinstance(e, TokensGenerated)]
+    assert [e.seq for e in tokens] == [0, 1, 2, 3, 4, 5]
+    ids = [t for e in tokens for t in e.token_ids]
+    assert [e.context_token_ids for e in tokens] == [ids[:i] for i in range(6)]
+    (fin,) = [e for e in stored if isinstance(e, RunFinished)]
+    assert (fin.finish_reason, fin.last_seq, fin.usage.completion_tokens) == ("length", 5, 6)
+    assert fin.usage.prompt_tokens == len(prompt) and fin.context_token_ids == ids
+    assert any(isinstance(e, RunFinished) for e in got["crash"])
