@@ -48,10 +48,11 @@ from typing import Any
 
 import anyio
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 
 from schemas import subjects
-from schemas.events import Event, RequestFailed
+from schemas.events import Event, RequestFailed, encode
 from stages.bus import Bus, BusConfig, ConsumerSpec
 from stages.cancels import CancelledRequests
 from stages.failures import StageError, error_field, new_request_id, read_envelope
@@ -249,6 +250,22 @@ class StageWorker:
         try:
             if stamped:
                 await self.bus.publish_all(stamped)
+        except nats.errors.MaxPayloadError:
+            if any(isinstance(e, RequestFailed) for e in stamped):
+                raise  # even the small failed event does not fit: nothing better to say
+            sizes = [len(encode(e)) for e in stamped]
+            first = stamped[0]
+            failed = RequestFailed(
+                request_id=first.request_id,
+                tenant=first.tenant,
+                stage=self.spec.name,
+                code="invalid_request",
+                message=f"the {self.spec.name} stage's output is {max(sizes)} bytes, above the "
+                f"NATS server's max_payload of {self.bus.nc.max_payload} bytes; send less text "
+                "or raise max_payload in the server's configuration",
+            )
+            await self.complete(msg, [failed], started_ns)
+            return
         except Exception as err:  # noqa: BLE001 - the bus is unwell: let the message come back
             delivered = msg.metadata.num_delivered
             self.log.warning("publish failed (delivery %d): %s", delivered, err)

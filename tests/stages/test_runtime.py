@@ -258,3 +258,40 @@ async def test_message_out_of_deliveries_fails_its_request(bus_config: BusConfig
 
 async def _const(value):
     return value
+
+
+async def test_output_above_max_payload_fails_the_request(tmp_path) -> None:
+    from stages import natsd
+
+    server = natsd.start(tmp_path / "small", max_payload=64 * 1024)
+    try:
+        config = BusConfig(servers=(server.url,))
+
+        def grow(event: RequestAccepted, state: dict) -> list[RequestAuthorized]:
+            text = event.request.messages[0].content * 4
+            big = Request(messages=[Message(role="user", content=text)])
+            return [RequestAuthorized(request_id=event.request_id, tenant="t1", request=big)]
+
+        bus = await Bus.connect(config)
+        stop, ready = anyio.Event(), anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: serve(
+                    make_spec({}, handle=grow),
+                    config=config,
+                    stop=stop,
+                    ready=ready,
+                    handle_signals=False,
+                )
+            )
+            await ready.wait()
+            await bus.publish(accepted("big1", "x" * 30_000))
+            assert await wait_for(bus, "llm.ev.big1.failed", 1) == 1
+            stop.set()
+        (failed,) = [e for e in await bus.replay("big1") if isinstance(e, RequestFailed)]
+        assert (failed.code, failed.stage) == ("invalid_request", "echo")
+        assert failed.message.startswith("the echo stage's output is 120")
+        assert "above the NATS server's max_payload of 65536 bytes" in failed.message
+        await bus.close()
+    finally:
+        natsd.stop(server)
