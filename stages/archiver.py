@@ -34,7 +34,7 @@ class ArchiverConfig:
 
     archive_dir: Path
     max_rows: int = 5000
-    max_age_s: float = 1.0
+    max_age_s: float = 5.0  # the tools read the stream beyond the archive, so files can be few
     fetch_batch: int = 500
     ack_wait_s: float = 60.0
 
