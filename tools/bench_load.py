@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.sla import Sla, holds
+from tools.sla import Sla
 
 FIGURES = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
 
@@ -117,7 +117,7 @@ def cross_check(result, rows: list[dict]) -> dict:
     }
 
 
-def _f(value: float | None, digits: int = 1) -> str:
+def fmt(value: float | None, digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
@@ -144,16 +144,16 @@ def format_run(title: str, client: dict, check: dict | None, sla: Sla) -> str:
         c = client[key]
         g = log[key] if log else {"p50": None, "p95": None, "p99": None}
         lines.append(
-            f"| {label} | {_f(c['p50'])} | {_f(c['p95'])} | {_f(c['p99'])} | "
-            f"{_f(g['p50'])} | {_f(g['p95'])} | {_f(g['p99'])} |"
+            f"| {label} | {fmt(c['p50'])} | {fmt(c['p95'])} | {fmt(c['p99'])} | "
+            f"{fmt(g['p50'])} | {fmt(g['p95'])} | {fmt(g['p99'])} |"
         )
     if check:
         d = check["diff_ms"]
         lines += [
             "",
-            f"client − log, per request: TTFT median {_f(d['ttft_ms']['median'], 2)} ms, max "
-            f"|{_f(d['ttft_ms']['max_abs'], 2)}| ms; E2E median {_f(d['e2e_ms']['median'], 2)} "
-            f"ms, max |{_f(d['e2e_ms']['max_abs'], 2)}| ms ({check['missing_in_log']} missing "
+            f"client − log, per request: TTFT median {fmt(d['ttft_ms']['median'], 2)} ms, max "
+            f"|{fmt(d['ttft_ms']['max_abs'], 2)}| ms; E2E median {fmt(d['e2e_ms']['median'], 2)} "
+            f"ms, max |{fmt(d['e2e_ms']['max_abs'], 2)}| ms ({check['missing_in_log']} missing "
             "in the log)",
         ]
     if client["errors"]:
@@ -195,99 +195,6 @@ async def measure(args, workload, *, rate=None, concurrency=None, count: int, se
     return client_summary(result, Sla()), cross_check(result, rows), result
 
 
-async def search_capacity(args, workload, rates: list[float]) -> list[dict]:
-    """Rising rates until the SLA breaks, then `--bisect` steps between the last pass and the
-    first failure. The SLA is judged on the log's figures (KV usage may be without data)."""
-    from tools.report import sla_lines
-
-    steps: list[dict] = []
-
-    async def step(rate: float) -> bool:
-        count = max(8, round(rate * args.duration))
-        print(f"capacity: {rate:g} req/s, {count} requests", file=sys.stderr, flush=True)
-        client, check, _ = await measure(args, workload, rate=rate, count=count, seed=args.seed)
-        lines = sla_lines(check["log"], Sla())
-        ok = holds(lines, allow_missing=True) and client["failed"] == 0
-        steps.append({"rate": rate, "passed": ok, "client": client, "check": check, "sla": lines})
-        return ok
-
-    passed, failed = None, None
-    for rate in rates:
-        if await step(rate):
-            passed = rate
-        else:
-            failed = rate
-            break
-    for _ in range(args.bisect if passed is not None and failed is not None else 0):
-        mid = round((passed + failed) / 2, 3)
-        if await step(mid):
-            passed = mid
-        else:
-            failed = mid
-    return steps
-
-
-def capacity_table(steps: list[dict]) -> str:
-    lines = [
-        "| rate (req/s) | achieved (req/s) | TTFT P95 (ms) | TPS P50 | error rate | queue max | KV max | SLA |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for s in sorted(steps, key=lambda s: s["rate"]):
-        log = s["check"]["log"]
-        kv = log["kv_usage_max"]
-        lines.append(
-            f"| {s['rate']:g} | {s['client']['requests_per_s']:.2f} | {_f(log['ttft_ms']['p95'])} "
-            f"| {_f(log['tps']['p50'])} | {_f(None if log['error_rate'] is None else 100 * log['error_rate'], 2)} % "
-            f"| {_f(log['queue_depth_max'], 0)} | {'—' if kv is None else f'{100 * kv:.0f} %'} "
-            f"| {'pass' if s['passed'] else 'FAIL'} |"
-        )
-    best = max((s["rate"] for s in steps if s["passed"]), default=None)
-    lines += [
-        "",
-        f"capacity: {'no tested rate holds the SLA' if best is None else f'{best:g} req/s'}",
-    ]
-    return "\n".join(lines)
-
-
-def plot_capacity(steps: list[dict], path: Path, sla: Sla) -> Path:
-    from tools.plots import _pyplot
-
-    plt = _pyplot()
-    steps = sorted(steps, key=lambda s: s["rate"])
-    rates = [s["rate"] for s in steps]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(
-        rates,
-        [s["check"]["log"]["ttft_ms"]["p95"] or 0 for s in steps],
-        "o-",
-        label="TTFT P95 (ms)",
-    )
-    ax.axhline(sla.ttft_p95_ms, color="C0", linestyle=":")
-    ax.set_xlabel("offered rate (requests/s)")
-    ax.set_ylabel("TTFT P95 (ms)")
-    twin = ax.twinx()
-    twin.plot(
-        rates,
-        [s["check"]["log"]["tps"]["p50"] or 0 for s in steps],
-        "s-",
-        color="C1",
-        label="TPS P50",
-    )
-    twin.axhline(sla.tps_p50, color="C1", linestyle=":")
-    twin.set_ylabel("decode tok/s per request (P50)")
-    for s in steps:
-        ax.annotate(
-            "pass" if s["passed"] else "fail",
-            (s["rate"], s["check"]["log"]["ttft_ms"]["p95"] or 0),
-            fontsize=8,
-        )
-    ax.set_title("Capacity search (dotted: SLA targets)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def run(args) -> int:
 
     from tools.workload import Workload, parse_lengths
@@ -312,13 +219,15 @@ def run(args) -> int:
 def _run(args, workload, rates: list[float]) -> int:
     import anyio
 
+    from tools import capacity
+
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     sla = Sla()
     if args.capacity:
-        steps = anyio.run(search_capacity, args, workload, rates)
-        text = "# brigade bench load --capacity\n\n" + capacity_table(steps)
-        png = plot_capacity(steps, args.out / f"capacity-{stamp}.png", sla)
+        steps = anyio.run(capacity.search, args, workload, rates)
+        text = "# brigade bench load --capacity\n\n" + capacity.table(steps)
+        png = capacity.plot(steps, args.out / f"capacity-{stamp}.png", sla)
         doc = [{k: v for k, v in s.items() if k != "sla"} for s in steps]
         text += f"\n\nplot: {png}"
         name = f"capacity-{stamp}"

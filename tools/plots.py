@@ -30,7 +30,7 @@ class Hop:
     end_ms: float  # its output published
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,7 +47,7 @@ def _no_data(ax, what: str) -> None:
 
 def stage_latency_bars(rows: list[dict], path: Path) -> Path:
     """rows: stage, queue_p50_ms, queue_p95_ms, service_p50_ms, service_p95_ms (pipeline order)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 0.6 * max(len(rows), 3) + 1.5))
     if not rows:
         _no_data(ax, "stage hops")
@@ -77,7 +77,7 @@ def stage_latency_bars(rows: list[dict], path: Path) -> Path:
 
 
 def ttft_histogram(ttfts_ms: list[float], sla_ms: float, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     if not ttfts_ms:
         _no_data(ax, "first tokens")
@@ -108,7 +108,7 @@ def waterfall(
     """One row per request (top: first given): each hop drawn as a pale queue segment (input
     published -> stage start) and a solid service segment (start -> output published); a black
     tick marks the request's first token (TTFT) when known."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 0.5 * max(len(requests), 3) + 1.8))
     if not requests:
         _no_data(ax, "requests")
