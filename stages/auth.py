@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from schemas import subjects
-from schemas.events import Event, RequestAccepted, RequestAuthorized, decoder_for
+from schemas.events import (
+    Event,
+    RequestAccepted,
+    RequestAuthorized,
+    RequestFailed,
+    decoder_for,
+)
 from stages import idempotency, ratelimit, tenants
 from stages.runtime import StageContext, StageError, StageSpec
 
@@ -94,7 +100,20 @@ async def admit(event: RequestAuthorized, state: AuthState) -> None:
 
 async def handle(event: RequestAccepted, state: AuthState) -> list[Event]:
     authorized = authorize(event, state)
-    await admit(authorized, state)
+    try:
+        await admit(authorized, state)
+    except StageError as err:  # refused for a known tenant: the failure names it
+        return [
+            RequestFailed(
+                request_id=event.request_id,
+                tenant=authorized.tenant,
+                stage=STAGE,
+                code=err.code,  # type: ignore[arg-type]
+                message=err.message,
+                field=err.field,
+                retry_after_s=err.retry_after_s,
+            )
+        ]
     return [authorized]
 
 

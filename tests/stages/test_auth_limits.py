@@ -82,6 +82,7 @@ async def test_two_auth_workers_share_the_rate_limit(bus_config, tmp_path, monke
     assert [e.code for e in refused] == ["rate_limited"] * 3
     assert all(19.0 < e.retry_after_s <= 20.0 for e in refused)  # 1 request per 60/3 s
     assert all("3 requests/min" in e.message for e in refused)
+    assert {e.tenant for e in refused} == {"acme"}
 
 
 async def test_tokens_per_min_and_idempotency_keys(bus_config, tmp_path, monkeypatch):

@@ -13,10 +13,11 @@ import msgspec
 import openai
 import pytest
 import websockets
+from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from schemas.events import TextGenerated, decode_event
-from stages import tenants
+from stages import ledger, tenants
 from stages.admission import AdmissionConfig
 from stages.bus import Bus
 from stages.edge_keys import KeyRing
@@ -44,17 +45,19 @@ async def pipeline(tmp_path_factory):
     file.tenants["globex"] = msgspec.structs.replace(file.tenants["globex"], allowed_models=[MODEL])
     file.tenants["slow"] = msgspec.structs.replace(file.tenants["slow"], requests_per_min=1)
     tenants.write_file(path, file)
-    before = os.environ.get(tenants.TENANTS_ENV)
-    os.environ[tenants.TENANTS_ENV] = str(path)
+    env = {tenants.TENANTS_ENV: str(path), ledger.DB_ENV: str(data / "ledger.duckdb")}
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     admission = AdmissionConfig(max_waiting_tokens=400)
     try:
         async with running_pipeline(data, KeyRing(path, (MODEL,)), admission=admission) as running:
             yield running
     finally:
-        if before is None:
-            os.environ.pop(tenants.TENANTS_ENV, None)
-        else:
-            os.environ[tenants.TENANTS_ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _client(edge, key: str = ACME_KEY) -> openai.AsyncOpenAI:
@@ -272,3 +275,37 @@ async def test_response_cancel_reaches_the_engine_and_the_ledger(pipeline):
         assert run["state"] == "billed"
     finally:
         await bus.close()
+
+
+async def test_no_key_in_the_log_and_metrics_filled(pipeline):
+    """Runs: after every test above. No API key in any stored event or KV entry; the edge's
+    Prometheus metrics saw the runs; `brigade usage` reads the same ledger."""
+    edge, config = pipeline
+    bus = await Bus.connect(config)
+    try:
+        for stream in (subjects.EVENTS_STREAM, "KV_" + subjects.IDEMPOTENCY_BUCKET,
+                       "KV_" + subjects.RUNS_BUCKET, "KV_" + subjects.RATES_BUCKET):  # fmt: skip
+            info = await bus.js.stream_info(stream)
+            assert info.state.messages > 0, stream
+            for seq in range(info.state.first_seq, info.state.last_seq + 1):
+                try:
+                    data = (await bus.js.get_msg(stream, seq)).data or b""
+                except NotFoundError:
+                    continue
+                for key in (ACME_KEY, SLOW_KEY, GLOBEX_KEY):
+                    assert key.encode() not in data, (stream, seq)
+    finally:
+        await bus.close()
+    async with httpx.AsyncClient(base_url=edge.url) as http:
+        text = (await http.get("/metrics")).text
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}  # fmt: skip
+    assert samples["brigade:time_to_first_token_seconds_count"] >= 6
+    assert samples["brigade:e2e_request_latency_seconds_count"] >= 5
+    assert samples['brigade:request_success_total{finished_reason="length"}'] >= 4
+    assert samples['brigade:stage_duration_seconds_count{stage="gateway"}'] >= 6
+    assert samples['brigade:stage_duration_seconds_count{stage="engine"}'] >= 20
+    assert samples['brigade:request_failure_total{code="rate_limited"}'] == 1
+    assert 0.0 <= samples["brigade:kv_cache_usage_perc"] <= 1.0
+    rows = ledger.usage_by_tenant(tenant="slow")
+    assert [(r[0], r[1], r[2]) for r in rows] == [("slow", "completed", 1), ("slow", "failed", 1)]
