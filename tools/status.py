@@ -69,7 +69,8 @@ async def collect(config, monitor_url: str | None) -> dict:
                     {
                         "stream": name,
                         "durable": c.name,
-                        "filter": c.config.filter_subject,
+                        "filter": c.config.filter_subject
+                        or ",".join(c.config.filter_subjects or []),
                         "pending": c.num_pending,
                         "ack_pending": c.num_ack_pending,
                         "redelivered": c.num_redelivered,
