@@ -37,6 +37,10 @@ def register(subparsers) -> None:
     p.add_argument("--out", type=Path, default=Path(".brigade/bench"), help="output directory")
     p.add_argument("--quick", action="store_true", help="8 requests, 4 in flight, 8 tokens")
     p.add_argument(
+        "--model",
+        help="model for every stage (sets BRIGADE_MODEL): a registered name, a .gguf or an HF dir",
+    )
+    p.add_argument(
         "--in-process",
         action="store_true",
         help="every stage in this process, as `brigade up` (default: one process per stage, as "
@@ -291,7 +295,7 @@ def markdown(result: dict) -> str:
         f"| full pipeline | {_f(pct(p['ttft_ms'], 0.5), 0)} | {_f(pct(p['ttft_ms'], 0.95), 0)} | {_f(pct(p['e2e_ms'], 0.5), 0)} | {_f(pct(p['e2e_ms'], 0.95), 0)} | {p['tokens'] / p['wall_s']:.1f} |",
         "",
         f"{result['requests']} requests per side, {result['concurrency']} in flight, {result['max_tokens']} output tokens each; "
-        f"layout: {result['layout']}; identical token ids on both sides: {result['same_token_ids']}; "
+        f"model: {result['model']}; layout: {result['layout']}; identical token ids on both sides: {result['same_token_ids']}; "
         f"failed through the pipeline: {p['failed']}; "
         f"{result['machine']}.",
     ]
@@ -374,6 +378,8 @@ def run(args) -> int:
     def progress(msg: str) -> None:
         print(f"  [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
+    if args.model:
+        os.environ["BRIGADE_MODEL"] = args.model
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="brigade-bench-") as tmp:
         os.environ["BRIGADE_DATA_DIR"] = tmp  # ledger, tenants and archive of this run only
@@ -413,6 +419,7 @@ def run(args) -> int:
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "layout": "one process" if args.in_process else "one process per stage",
+        "model": os.environ.get("BRIGADE_MODEL", "smollm2-135m"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"1-min load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run",
         "alone": {k: v for k, v in alone.items() if k != "token_ids"},
