@@ -178,7 +178,10 @@ class EngineStage:
                     await self._room.wait()
                 continue
             for msg in await self.worker.fetch(room):
-                await self._admit(msg)
+                try:
+                    await self._admit(msg)
+                except Exception:  # noqa: BLE001 - unacked, the message comes back after ack_wait
+                    log.exception("could not admit %s", msg.subject)
 
     async def _admit(self, msg: Msg) -> None:
         started = time.monotonic_ns()
@@ -227,13 +230,26 @@ class EngineStage:
                 break
             run.output_ids.extend(by_seq[seq].token_ids)
             run.num_tokens_through.append(len(run.output_ids))
+        p = run.params
+        num_prompt = len(run.event.prompt_token_ids)
+        cancels = [e for e in stored if isinstance(e, CancelRequested)]
+        if cancels:  # cancelled (or stopped by a stop string) while its worker was dying
+            run.cancel = cancels[0]
+            await self._finish(run, "abort", num_prompt, p.seed)
+            return False
         if not run.output_ids:
             return True
-        p = run.params
-        left = p.max_tokens - len(run.output_ids)
         log.info("resuming %s after %d stored tokens", run.request_id, len(run.output_ids))
+        last = run.output_ids[-1]
+        stops = set(p.stop_token_ids) | (
+            set() if p.ignore_eos else {self.engine.tokenizer.eos_token_id}
+        )
+        if last in stops and len(run.output_ids) >= p.min_tokens:
+            await self._finish(run, "stop", num_prompt, p.seed)
+            return False
+        left = p.max_tokens - len(run.output_ids)
         if left <= 0:
-            await self._finish(run, "length", len(run.event.prompt_token_ids), p.seed)
+            await self._finish(run, "length", num_prompt, p.seed)
             return False
         run.params = dataclasses.replace(
             p, max_tokens=left, min_tokens=max(0, p.min_tokens - len(run.output_ids))
