@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 import yaml
 
 from stages.bus import BusConfig
-from tests.stages import pipeline_harness
+from tests.stages import pipeline_harness, test_pipeline
 from tools import stage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,9 @@ def entrypoint() -> list[str]:
 
 
 def test_every_stage_has_a_service_running_the_tests_command(compose):
-    assert pipeline_harness.PIPELINE == stage.PIPELINE  # the pipeline tests start these stages
+    # The pipeline tests start these stages, as `python -m tools.cli stage NAME` processes.
+    assert pipeline_harness.PIPELINE == test_pipeline.STAGES == stage.PIPELINE
+    assert '"tools.cli", "stage", name]' in inspect.getsource(test_pipeline.Pipeline.start)
     services = compose["services"]
     for name in stage.available():
         assert name in services, f"compose.yaml has no service for stage {name!r}"
