@@ -12,10 +12,12 @@ import contextlib
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import anyio
+import anyio.abc
 import msgspec
 import uvicorn
 from nats.js.errors import NotFoundError
@@ -57,6 +59,8 @@ class EdgeConfig:
     max_header_bytes: int = 16 << 10
     max_frame_bytes: int = 1 << 20
     idle_timeout_s: float = 300.0  # no event from the pipeline for this long -> 504
+    # A client that drops a run with an idempotency key may come back for it: its cancel waits.
+    reconnect_grace_s: float = 15.0
     admission: AdmissionConfig = AdmissionConfig()
 
     @classmethod
@@ -68,6 +72,7 @@ class EdgeConfig:
             max_body_bytes=int(env.get("BRIGADE_EDGE_MAX_BODY", str(1 << 20))),
             max_header_bytes=int(env.get("BRIGADE_EDGE_MAX_HEADERS", str(16 << 10))),
             max_frame_bytes=int(env.get("BRIGADE_EDGE_MAX_FRAME", str(1 << 20))),
+            reconnect_grace_s=float(env.get("BRIGADE_EDGE_RECONNECT_GRACE_S", "15")),
             admission=AdmissionConfig(
                 max_waiting_tokens=int(env.get("BRIGADE_EDGE_MAX_WAITING_TOKENS", "65536")),
                 kv_watermark=float(env.get("BRIGADE_EDGE_KV_WATERMARK", "0.95")),
@@ -106,6 +111,8 @@ class Edge:
         self.bus, self.config, self.keys = bus, config, keys
         self.metrics = EdgeMetrics()
         self.gate = AdmissionGate(config.admission)
+        self.following: Counter[str] = Counter()  # clients following each run here
+        self.background: anyio.abc.TaskGroup | None = None  # delayed cancels (set by serve)
         self.idempotency: IdempotencyStore | None = None
         self.runs: RunStates | None = None
 
@@ -196,9 +203,11 @@ class Edge:
             if not claim.new:
                 self.gate.release(request_id)
                 watch = self._watch(claim.request_id, starting_after=-1)
+                watch.idempotency_key = submit.idempotency_key
                 await watch.start()
                 return watch
         watch = self._watch(request_id, starting_after=None)
+        watch.idempotency_key = submit.idempotency_key
         await watch.start()
         await self.bus.nc.flush()
         headers = {MSG_ID_HEADER: f"{request_id}:submit"}
@@ -216,11 +225,29 @@ class Edge:
         with anyio.CancelScope(shield=True):
             await self.bus.publish(event)
 
+    async def left(self, caller: Caller, watch: RunWatch, reason: str = "disconnect") -> None:
+        """The client left before the run's end: cancel it, after a grace period when it holds
+        an idempotency key (a retry with the key re-attaches and keeps it alive)."""
+        if watch.terminal is not None:
+            return
+        grace = self.config.reconnect_grace_s
+        if watch.idempotency_key is None or self.background is None or grace <= 0:
+            await self.cancel(caller, watch.request_id, reason)
+            return
+
+        async def cancel_unless_followed() -> None:
+            await anyio.sleep(grace)
+            if not self.following[watch.request_id]:
+                await self.cancel(caller, watch.request_id, reason)
+
+        self.background.start_soon(cancel_unless_followed)
+
     async def deltas(self, watch: RunWatch) -> AsyncIterator[TextGenerated]:
         """The run's deltas with the edge's latency metrics (TTFT, ITL, e2e)."""
         started = last = time.monotonic()
         first = True
         self.metrics.open_streams.inc()
+        self.following[watch.request_id] += 1
         try:
             async for delta in watch.deltas():
                 now = time.monotonic()
@@ -230,6 +257,9 @@ class Edge:
             self.metrics.e2e.observe(time.monotonic() - started)
         finally:
             self.metrics.open_streams.dec()
+            self.following[watch.request_id] -= 1
+            if not self.following[watch.request_id]:
+                del self.following[watch.request_id]
             self.gate.release(watch.request_id)  # no longer followed here: not waiting work
 
 
@@ -311,6 +341,7 @@ async def serve(*, config, stop: anyio.Event, ready: anyio.Event | None = None,
 
     try:
         async with anyio.create_task_group() as tg:
+            edge.background = tg
             tg.start_soon(lambda: runtime.serve(runstate.SPEC, config=config, stop=stop,
                                                 ready=projector_ready, handle_signals=False))  # fmt: skip
             tg.start_soon(run_server)

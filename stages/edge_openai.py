@@ -99,9 +99,10 @@ class OpenAIRoutes:
                 timeout = RequestError("timeout", str(err))
             finally:
                 tg.cancel_scope.cancel()
-                if watch.terminal is None:
-                    why = "disconnect" if timeout is None else "timeout"
-                    await self.edge.cancel(caller, watch.request_id, why)
+                if timeout is not None:
+                    await self.edge.cancel(caller, watch.request_id, "timeout")
+                else:
+                    await self.edge.left(caller, watch)
                 with anyio.CancelScope(shield=True):
                     await watch.close()
         if timeout is not None:
@@ -162,9 +163,8 @@ class OpenAIRoutes:
             except TimeoutError as err:
                 yield sse(error_body(RequestError("timeout", str(err))))
             finally:
-                if watch.terminal is None:
-                    await self.edge.cancel(caller, rid, "disconnect")
                 with anyio.CancelScope(shield=True):
+                    await self.edge.left(caller, watch)
                     await deltas.aclose()
                     await watch.close()
 

@@ -40,8 +40,8 @@ class Session:
                     except RequestError as err:
                         await self.send_error(err)
             finally:
-                if self.active is not None and self.active.terminal is None:
-                    await self.edge.cancel(self.caller, self.active.request_id, "disconnect")
+                if self.active is not None:
+                    await self.edge.left(self.caller, self.active)
                 tg.cancel_scope.cancel()
 
     async def _receive(self) -> str | None:

@@ -51,6 +51,7 @@ class RunWatch:
         self.gap_timeout_s = gap_timeout_s
         self.on_event = on_event
         self.terminal: Terminal | None = None
+        self.idempotency_key: str | None = None  # set by the edge for a keyed run
         self.num_gap_fills = 0
         self._replay = starting_after is not None
         self._sub = None

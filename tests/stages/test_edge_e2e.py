@@ -175,6 +175,38 @@ async def test_idempotency_key_runs_once(pipeline):
         await bus.close()
 
 
+async def test_a_dropped_keyed_stream_is_reattached_not_cancelled(pipeline):
+    edge, config = pipeline
+    client = _client(edge)
+    args = {"model": MODEL, "messages": PROMPT, "max_tokens": 12, "temperature": 0.0}
+    key = {"Idempotency-Key": "chat-reconnect-1"}
+    stream = await client.chat.completions.create(**args, stream=True, extra_headers=key)
+    got = []
+    async for chunk in stream:
+        got.append(chunk)
+        if len(got) == 3:
+            break
+    await stream.close()  # the connection drops mid-run
+    again = await client.chat.completions.create(**args, extra_headers=key)
+    assert again.id == got[0].id  # the same run
+    fresh = await client.chat.completions.create(**args)  # greedy: the same text, a new run
+    assert fresh.id != again.id
+    assert again.choices[0].message.content == fresh.choices[0].message.content
+    assert again.usage.completion_tokens == fresh.usage.completion_tokens
+    early = "".join(c.choices[0].delta.content or "" for c in got)
+    assert again.choices[0].message.content.startswith(early)
+    rid = again.id.removeprefix("chatcmpl-")
+    bus = await Bus.connect(config)
+    try:
+        info = await bus.js.stream_info(subjects.EVENTS_STREAM, subjects_filter=f"llm.ev.{rid}.>")
+        counts = info.state.subjects or {}
+        assert counts[subjects.event_subject(rid, "accepted")] == 1
+        assert counts[subjects.event_subject(rid, "completed")] == 1
+        assert subjects.event_subject(rid, "cancel") not in counts
+    finally:
+        await bus.close()
+
+
 async def test_rate_limit_and_overload_answers(pipeline):
     edge, _ = pipeline
     slow = _client(edge, SLOW_KEY)
