@@ -195,6 +195,10 @@ class _DecodeGroup:
     rows: Tensor | None  # [n] int64 rows of the step's tokens; None: every row, in order
     blocks: Tensor  # [n, nb] int64 block ids (padding -> block 0, masked out)
     mask: Tensor  # [n, 1, 1, nb * block_size] bool, True = attend
+    bias: Tensor  # [n, 1, 1, nb * block_size] float32: 0 where attended, -inf elsewhere
+    # gather buffers (staging, K, V), made by the first layer and reused by the others: fresh
+    # multi-MB allocations page-fault on every layer and cost more than the copy itself
+    workspace: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 @dataclass
@@ -235,7 +239,9 @@ def build_reference_plan(
         lens = torch.tensor([seq_lens[i] for i in seqs], device=device)
         mask = torch.arange(nb * block_size, device=device)[None, :] < lens[:, None]
         rows = None if every_row else torch.tensor([r for r, _, _ in group], device=device)
-        plans.append(_DecodeGroup(rows, tables[seqs, :nb], mask[:, None, None, :]))
+        mask = mask[:, None, None, :]
+        bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+        plans.append(_DecodeGroup(rows, tables[seqs, :nb], mask, bias))
     return ReferencePlan(plans, prefills)
 
 
@@ -249,6 +255,22 @@ def _group_by_length(decodes: list[tuple[int, int, int]]) -> list[list[tuple[int
         else:
             groups[-1].append(d)
     return groups
+
+
+def _gather_kv(g: _DecodeGroup, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """The group's blocks as contiguous K and V [n, KVH, L, D] (L = nb * block_size)."""
+    n, nb = g.blocks.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if g.workspace is None:
+        staging = k_cache.new_empty(n * nb, block_size, num_kv_heads, head_dim)
+        shape = (n, num_kv_heads, nb * block_size, head_dim)
+        g.workspace = (staging, k_cache.new_empty(shape), k_cache.new_empty(shape))
+    staging, k_out, v_out = g.workspace
+    flat = g.blocks.flatten()
+    for cache, out in ((k_cache, k_out), (v_cache, v_out)):
+        torch.index_select(cache, 0, flat, out=staging)
+        out.copy_(staging.view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2))
+    return k_out, v_out
 
 
 def paged_attention_reference(
@@ -267,13 +289,15 @@ def paged_attention_reference(
     out = None
     for g in plan.decodes:
         qd = q if g.rows is None else q[g.rows]
-        nd, num_blocks = g.blocks.shape
-        kv_shape = (nd, num_blocks * k_cache.shape[1], num_kv_heads, head_dim)
-        flat_blocks = g.blocks.flatten()
-        kd = k_cache.index_select(0, flat_blocks).view(kv_shape).transpose(1, 2)  # [nd, KVH, L, D]
-        vd = v_cache.index_select(0, flat_blocks).view(kv_shape).transpose(1, 2)
+        nd = g.blocks.shape[0]
+        kd, vd = _gather_kv(g, k_cache, v_cache)  # [nd, KVH, L, D] each
         qd = qd.view(nd, num_kv_heads, group_size, head_dim)  # a KV head's queries share its keys
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+        if q.dtype == torch.float32:  # the exactness path: the same kernel transformers uses
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+        else:  # skinny batched GEMMs beat the flash kernel ~3x for one query row per sequence
+            scores = torch.matmul(qd, kd.transpose(-1, -2))  # [nd, KVH, G, L]
+            probs = (scores.float() * scale + g.bias).softmax(-1).to(q.dtype)
+            od = torch.matmul(probs, vd)  # [nd, KVH, G, D]
         od = od.reshape(nd, num_heads, head_dim)
         if g.rows is None:
             return od

@@ -122,15 +122,11 @@ def test_reference_plan_splits_decodes_of_very_different_lengths():
     k, v = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
     out = pa.paged_attention_reference(q, k, v, k_cache, v_cache, plan, 8**-0.5)
     one_group = pa.build_reference_plan(tables, [1, 1, 1, 1, 1, 1], lens, block_size=16)
-    one_group.decodes = [
-        pa._DecodeGroup(
-            torch.tensor([0, 1, 2, 3, 5]),
-            tables[[0, 1, 2, 3, 5]].long(),
-            (torch.arange(19 * 16)[None, :] < torch.tensor([300, 20, 260, 100, 40])[:, None])[
-                :, None, None
-            ],
-        )
-    ]
+    mask = torch.arange(19 * 16)[None, :] < torch.tensor([300, 20, 260, 100, 40])[:, None]
+    mask = mask[:, None, None]
+    bias = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    rows = torch.tensor([0, 1, 2, 3, 5])
+    one_group.decodes = [pa._DecodeGroup(rows, tables[rows].long(), mask, bias)]
     expected = pa.paged_attention_reference(q, k, v, k_cache, v_cache, one_group, 8**-0.5)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
