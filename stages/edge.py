@@ -237,7 +237,10 @@ class Edge:
 
         async def cancel_unless_followed() -> None:
             await anyio.sleep(grace)
-            if not self.following[watch.request_id]:
+            if self.following[watch.request_id]:
+                return  # a retry re-attached here and follows it now
+            record = await self.runs.get(watch.request_id) if self.runs is not None else None
+            if record is None or record.state not in ("completed", "failed", "cancelled", "billed"):
                 await self.cancel(caller, watch.request_id, reason)
 
         self.background.start_soon(cancel_unless_followed)
