@@ -48,8 +48,11 @@ class SlaLine:
         if self.measured is None:
             return "—"
         if self.unit == "%":
-            return f"{100 * self.measured:.3g} %"
-        return f"{self.measured:.4g} {self.unit}".strip()
+            return f"{100 * self.measured:.2f}".rstrip("0").rstrip(".") + " %"
+        if not self.unit:
+            return f"{self.measured:g}"
+        digits = 0 if abs(self.measured) >= 1000 else 1 if abs(self.measured) >= 10 else 2
+        return f"{self.measured:.{digits}f} {self.unit}".strip()
 
 
 def check(

@@ -39,7 +39,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once tests/tools is done
 def brigade_up(tmp_path_factory) -> Iterator[RunningBrigade]:
     data = tmp_path_factory.mktemp("brigade-up")
     port = _free_port()

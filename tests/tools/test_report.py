@@ -103,7 +103,7 @@ def test_cli_report_from_an_archive(tmp_path: Path, capsys):
     out = capsys.readouterr().out
     assert (
         "2 requests (1 completed, 1 failed" in out
-        and "| TTFT P95 | < 300 ms | 59 ms | PASS |" in out
+        and "| TTFT P95 | < 300 ms | 59.0 ms | PASS |" in out
     )
     assert len(list((tmp_path / "png").glob("*.png"))) == 3
     assert main(["report", "--archive", str(archive), "--no-stream", "--check"]) == 1
