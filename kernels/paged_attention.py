@@ -188,6 +188,7 @@ class _PrefillSeq:
     end: int
     blocks: Tensor | None  # [num_blocks] int64; None when the step holds the whole sequence
     mask: Tensor | None  # [q_len, ctx_len] bool, True = attend
+    workspace: tuple[Tensor, Tensor] | None = None  # K, V gather buffers shared by all layers
 
 
 @dataclass
@@ -311,9 +312,16 @@ def paged_attention_reference(
         if p.blocks is None:
             kp, vp = k[p.start : p.end].transpose(0, 1), v[p.start : p.end].transpose(0, 1)
         else:
+            if p.workspace is None:
+                shape = (p.blocks.shape[0], *k_cache.shape[1:])
+                p.workspace = (k_cache.new_empty(shape), v_cache.new_empty(shape))
             ctx_len = p.mask.shape[1]
-            kp = k_cache.index_select(0, p.blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)
-            vp = v_cache.index_select(0, p.blocks).flatten(0, 1)[:ctx_len].transpose(0, 1)
+            kp, vp = (
+                torch.index_select(cache, 0, p.blocks, out=buf)
+                .flatten(0, 1)[:ctx_len]
+                .transpose(0, 1)
+                for cache, buf in zip((k_cache, v_cache), p.workspace, strict=True)
+            )  # [KVH, ctx_len, D] each
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
         )
