@@ -11,9 +11,11 @@ import pytest
 from tools.cli import main
 from tools.workload import Workload, parse_lengths, poisson_arrivals
 
-# Client vs log, per request (median): "within a few milliseconds". Measured client - log on
-# the bus: ~2-4 ms on a quiet machine, up to ~9 ms while other test suites load the 2 cores.
-AGREE_MS = 10.0
+# Client vs log, per request (median): "within a few milliseconds". The difference is the way
+# in (send -> the gateway's receipt) plus one hop out, i.e. two process wake-ups. Measured on the
+# shared 2-core machine: ~2.5 ms at a load average of 6, 8-13 ms at 10-14 (every wake-up then
+# waits for a time slice); the bound leaves room for that.
+AGREE_MS = 15.0
 
 
 def test_workload_is_seeded_and_mixed():
