@@ -57,7 +57,7 @@ def run(args) -> int:
     if rel is None:  # a statement without a result (CREATE VIEW ...)
         return 0
     if args.csv:
-        writer = csv.writer(sys.stdout)
+        writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(rel.columns)
         writer.writerows(rel.fetchall())
     else:

@@ -133,7 +133,7 @@ async def test_real_run_replays_as_received_and_reruns_identically(brigade_up, m
             api_key=brigade_up.api_key,
             messages=[ev.Message(role="user", content="Write one line about the sea.")],
             temperature=0.9,
-            max_tokens=12,
+            max_tokens=8,
             seed=20261129,
         )
         record = await tap.submit(bus.js, submit)
@@ -142,9 +142,9 @@ async def test_real_run_replays_as_received_and_reruns_identically(brigade_up, m
     finally:
         await tap.stop()
         await bus.close()
-    assert record.ok and len(record.all_token_ids()) == 12
+    assert record.ok and len(record.all_token_ids()) == 8
     assert await anyio.to_thread.run_sync(main, ["replay", "replay-real-1"]) == 0
     assert capsys.readouterr().out == record.text + "\n"
     assert await anyio.to_thread.run_sync(main, ["replay", "replay-real-1", "--rerun"]) == 0
     out = capsys.readouterr().out
-    assert "12 token ids vs 12 originally" in out and "identical token ids" in out
+    assert "8 token ids vs 8 originally" in out and "identical token ids" in out
