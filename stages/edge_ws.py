@@ -6,6 +6,8 @@ socket (1009). Leaving with a response in flight cancels it (reason `disconnect`
 
 from __future__ import annotations
 
+import contextlib
+
 import anyio
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -106,12 +108,15 @@ class Session:
             if watch.terminal is not None:
                 await self.ws.send_text(realtime.done(rid, watch.terminal).decode())
         except TimeoutError as err:
-            await self.send_error(RequestError("timeout", str(err)))
+            await self.edge.cancel(self.caller, rid, "timeout")
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                await self.send_error(RequestError("timeout", str(err)))
         except (WebSocketDisconnect, RuntimeError):
-            pass  # the client left; serve() cancels the run
+            await self.edge.left(self.caller, watch)  # the client left while we sent
         finally:
-            await watch.close()
-            if self.active is watch and watch.terminal is not None:
+            with anyio.CancelScope(shield=True):
+                await watch.close()
+            if self.active is watch:
                 self.active = None
 
 

@@ -30,6 +30,11 @@ from schemas.events import (
 from stages.reorder import ReorderBuffer
 
 Terminal = RunCompleted | RunCancelled | RequestFailed
+TERMINAL_TAGS = ("completed", "cancelled", "failed")
+
+
+class DeltasMissing(TimeoutError):
+    """The run ended but some of its text deltas never reached the log in time."""
 
 
 class RunWatch:
@@ -42,6 +47,7 @@ class RunWatch:
         starting_after: int | None = None,
         idle_timeout_s: float = 300.0,
         gap_timeout_s: float = 2.0,
+        poll_s: float = 5.0,
         on_event: Callable[[AnyEvent, int], None] | None = None,
     ) -> None:
         self.nc, self.js, self.request_id = nc, js, request_id
@@ -49,6 +55,7 @@ class RunWatch:
         self.buffer = ReorderBuffer[TextGenerated](start=start)
         self.idle_timeout_s = idle_timeout_s
         self.gap_timeout_s = gap_timeout_s
+        self.poll_s = poll_s  # live and silent this long: look for the end in the log
         self.on_event = on_event
         self.terminal: Terminal | None = None
         self.idempotency_key: str | None = None  # set by the edge for a keyed run
@@ -105,6 +112,7 @@ class RunWatch:
         assert self._sub is not None, "call start() before deltas()"
         deadline: float | None = None
         next_fill = 0.0
+        heard = time.monotonic()
         while not self._done():
             if self.terminal is not None:
                 now = time.monotonic()
@@ -118,21 +126,35 @@ class RunWatch:
                         break
                 if now > deadline:
                     missing = self.buffer.missing(self._last_seq())
-                    raise RuntimeError(
+                    raise DeltasMissing(
                         f"run {self.request_id}: text seqs {missing[:8]} never reached the log "
                         f"within {self.gap_timeout_s}s of its end"
                     )
-            timeout = 0.05 if self.terminal is not None else self.idle_timeout_s
+            timeout = 0.05 if self.terminal is not None else min(self.poll_s, self.idle_timeout_s)
             try:
                 msg = await self._sub.next_msg(timeout=timeout)
             except nats.errors.TimeoutError:
-                if self.terminal is None:
+                if self.terminal is None and not self._replay:
+                    await self._end_from_log()  # a dropped live message: the log has it
+                if self.terminal is None and time.monotonic() - heard > self.idle_timeout_s:
                     raise TimeoutError(
                         f"run {self.request_id}: no event for {self.idle_timeout_s}s"
                     ) from None
                 continue
+            heard = time.monotonic()
             for delta in self._accept(msg.data):
                 yield delta
+
+    async def _end_from_log(self) -> None:
+        for tag in TERMINAL_TAGS:
+            subject = subjects.event_subject(self.request_id, tag)
+            try:
+                msg = await self.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+            except (NotFoundError, nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                continue  # not stored (or no log to ask): keep waiting live
+            if msg.data:
+                self._accept(msg.data)
+                return
 
     async def _fill_from_log(self) -> list[TextGenerated]:
         """Read this run's stored text deltas (an ordered consumer, then unsubscribed)."""

@@ -107,3 +107,21 @@ async def test_silence_times_out(bus_config):
                 await _collect(watch)
     finally:
         await bus.close()
+
+
+async def test_an_end_missed_live_is_found_in_the_log(bus_config):
+    bus = await Bus.connect(bus_config)
+    try:
+        await bus.ensure_streams()
+        async with RunWatch(bus.nc, bus.js, "lost1", poll_s=0.1) as watch:
+            await bus.nc.flush()
+            await bus.publish(_text("lost1", 0))
+            await bus.nc.flush()
+            await watch._sub.unsubscribe()  # from here on nothing arrives live (a slow consumer)
+            watch._sub = await bus.nc.subscribe("llm.ev.lost1.nothing")
+            await bus.publish(_text("lost1", 1))
+            await bus.publish(_done("lost1", 1))
+            assert await _collect(watch) == [0, 1]
+            assert watch.terminal.last_seq == 1
+    finally:
+        await bus.close()
