@@ -2,7 +2,8 @@
 
 Pulls `tokenized` only while KV capacity allows (admission), runs step() in a worker thread,
 publishes each step's tokens pipelined, and acks a request's input only after its `finished`
-event is stored — so a killed worker's request is redelivered and resumed after its stored tokens.
+event is stored — so a killed worker's request is redelivered, re-run with the same seed and
+checked against the tokens already stored (dedupe drops the repeats).
 """
 
 from __future__ import annotations
@@ -120,11 +121,22 @@ class Run:
     output_ids: list[int] = field(default_factory=list)
     num_tokens_through: list[int] = field(default_factory=list)  # per seq: output count after it
     pending: list[tuple[TokensGenerated, Any]] = field(default_factory=list)  # (event, ack future)
+    stored: list[list[int]] = field(default_factory=list)  # a re-run: steps a dead worker stored
+    restart: bool = False  # a re-run diverged: waiting for its abort, then continue after stored
     cancel: CancelRequested | None = None
 
     @property
     def request_id(self) -> str:
         return self.event.request_id
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.event.prompt_token_ids)
+
+    @property
+    def num_left(self) -> int:
+        """Output tokens still allowed (the engine's max_tokens counts from its own prompt)."""
+        return self.event.sampling.max_tokens - len(self.output_ids)
 
     @property
     def next_seq(self) -> int:
@@ -210,51 +222,40 @@ class EngineStage:
             await self.worker.fail(msg, event, err, started)
             return
         run.params = run_params
-        if msg.metadata.num_delivered > 1 and not await self._resume(run):
+        if msg.metadata.num_delivered > 1 and not await self._recover(run):
             return
         self.runs[rid] = run
         self._to_add.append(run)
         self._work.set()
 
-    async def _resume(self, run: Run) -> bool:
-        """A redelivery: the worker that had this request died. Continue after the deltas it
-        stored (they become part of the prompt, seq numbering goes on), so the text a client
-        already has stays true. False when nothing is left to run (already finished, or done)."""
+    async def _recover(self, run: Run) -> bool:
+        """A redelivery: the worker that had this request died. Re-run it (same seed) and check
+        each re-generated step against the `tokens` the dead worker stored; False when nothing
+        is left to run (its `finished` was stored, or a cancel came meanwhile)."""
         stored = await self.bus.replay(run.request_id)
         if any(isinstance(e, RunFinished) for e in stored):
             await run.msg.ack()  # finished was stored; only the ack was lost
             return False
-        by_seq = {e.seq: e for e in stored if isinstance(e, TokensGenerated)}
-        for seq in range(len(by_seq)):
-            if seq not in by_seq:
-                break
-            run.output_ids.extend(by_seq[seq].token_ids)
-            run.num_tokens_through.append(len(run.output_ids))
-        p = run.params
-        num_prompt = len(run.event.prompt_token_ids)
         cancels = [e for e in stored if isinstance(e, CancelRequested)]
+        by_seq = {e.seq: e.token_ids for e in stored if isinstance(e, TokensGenerated)}
+        seq = 0
+        while seq in by_seq:
+            run.stored.append(list(by_seq[seq]))
+            seq += 1
         if cancels:  # cancelled (or stopped by a stop string) while its worker was dying
             run.cancel = cancels[0]
-            await self._finish(run, "abort", num_prompt, p.seed)
+            self._continue_after_stored(run)
+            await self._finish(run, "abort", run.num_prompt, run.params.seed)
             return False
-        if not run.output_ids:
-            return True
-        log.info("resuming %s after %d stored tokens", run.request_id, len(run.output_ids))
-        last = run.output_ids[-1]
-        stops = set(p.stop_token_ids) | (
-            set() if p.ignore_eos else {self.engine.tokenizer.eos_token_id}
-        )
-        if last in stops and len(run.output_ids) >= p.min_tokens:
-            await self._finish(run, "stop", num_prompt, p.seed)
-            return False
-        left = p.max_tokens - len(run.output_ids)
-        if left <= 0:
-            await self._finish(run, "length", num_prompt, p.seed)
-            return False
-        run.params = dataclasses.replace(
-            p, max_tokens=left, min_tokens=max(0, p.min_tokens - len(run.output_ids))
-        )
+        log.info("re-running %s; %d steps were stored", run.request_id, len(run.stored))
         return True
+
+    def _continue_after_stored(self, run: Run) -> None:
+        """Take the stored steps as this run's own output (the next step continues after them)."""
+        for ids in run.stored[run.next_seq :]:
+            run.output_ids.extend(ids)
+            run.num_tokens_through.append(len(run.output_ids))
+        run.stored = []
 
     def _add_pending(self) -> list[tuple[Run, StageError]]:
         """Hand fetched requests to the engine (between steps only: the core is not thread-safe)."""
@@ -346,6 +347,30 @@ class EngineStage:
     async def _on_output(
         self, run: Run, out: Any, took_ns: int, stats: Any, tg: anyio.abc.TaskGroup
     ) -> None:
+        rid = run.request_id
+        if out.new_token_ids and run.next_seq < len(run.stored) and not run.restart:
+            # A re-run, checked step by step against what the dead worker stored.
+            if list(out.new_token_ids) == run.stored[run.next_seq]:
+                run.first_token_ns = run.first_token_ns or time.monotonic_ns()
+                run.output_ids.extend(out.new_token_ids)
+                run.num_tokens_through.append(len(run.output_ids))
+                if out.finished:
+                    del self.runs[rid]
+                    tg.start_soon(self._finish, run, out.finish_reason, run.num_prompt, out.seed)
+                return
+            # Other numerics (another batch) sampled otherwise: the stored text stands, so the
+            # run continues after it. Abort this attempt; go on when its end is reported.
+            log.warning("%s left its stored tokens at seq %d", rid, run.next_seq)
+            self._continue_after_stored(run)
+            run.restart = True
+            if not out.finished:
+                self._to_abort.add(rid)
+                return
+        if run.restart:
+            if out.finished:
+                run.restart = False
+                self._after_stored(run, out.seed, tg)
+            return
         if out.new_token_ids and run.stop_seq is None:
             now = time.monotonic_ns()
             run.first_token_ns = run.first_token_ns or now
@@ -369,9 +394,25 @@ class EngineStage:
             run.num_tokens_through.append(len(run.output_ids))
             run.pending.append((event, await self.bus.publish_async(event)))
         if out.finished:
+            del self.runs[rid]
+            tg.start_soon(self._finish, run, out.finish_reason, run.num_prompt, out.seed)
+
+    def _after_stored(self, run: Run, seed: int, tg: anyio.abc.TaskGroup) -> None:
+        """Continue a diverged re-run after its stored tokens, or end it if they were the end."""
+        p = run.params
+        ends = set(p.stop_token_ids) | (
+            set() if p.ignore_eos else {self.engine.tokenizer.eos_token_id}
+        )
+        last = run.output_ids[-1] if run.output_ids else None
+        if last in ends or run.num_left <= 0:
             del self.runs[run.request_id]
-            num_prompt = len(run.event.prompt_token_ids)  # a resumed run's prompt holds outputs
-            tg.start_soon(self._finish, run, out.finish_reason, num_prompt, out.seed)
+            reason = "stop" if last in ends else "length"
+            tg.start_soon(self._finish, run, reason, run.num_prompt, seed)
+            return
+        run.params = dataclasses.replace(
+            p, max_tokens=run.num_left, min_tokens=max(0, p.min_tokens - len(run.output_ids))
+        )
+        self._to_add.append(run)
 
     async def _finish(
         self, run: Run, reason: str, num_prompt_tokens: int, seed: int | None
@@ -394,6 +435,8 @@ class EngineStage:
     def _finished_event(
         self, run: Run, reason: str, num_prompt_tokens: int, seed: int | None
     ) -> RunFinished:
+        if len(run.stored) > run.next_seq:  # ended while re-checking: the stored steps stand
+            self._continue_after_stored(run)
         now = time.monotonic_ns()
         last_seq = run.next_seq - 1 if run.next_seq else None
         num_out = len(run.output_ids)

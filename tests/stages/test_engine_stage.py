@@ -209,3 +209,43 @@ async def test_a_dead_workers_request_is_resumed_after_its_stored_tokens(
     assert (fin.finish_reason, fin.last_seq, fin.usage.completion_tokens) == ("length", 5, 6)
     assert fin.usage.prompt_tokens == len(prompt) and fin.context_token_ids == ids
     assert any(isinstance(e, RunFinished) for e in got["crash"])
+
+
+@pytest.mark.anyio
+async def test_a_rerun_that_samples_otherwise_continues_after_the_stored_tokens(
+    bus_config, engine, prompt, monkeypatch
+):
+    """The dead worker stored 3 steps this engine would not sample (other numerics): the re-run
+    keeps them, continues after them at seq 3, and stores each seq once."""
+    from stages.runtime import StageWorker
+
+    monkeypatch.setenv("BRIGADE_ACK_WAIT_S", "2")
+    stored = engine.tokenizer.encode(" Blue, green and red")[:3]
+    assert len(stored) == 3
+    client = await Bus.connect(bus_config)
+    await client.ensure_streams()
+    dead = await Bus.connect(bus_config)
+    worker = StageWorker(engine_stage.SPEC, dead, fetch_timeout_s=5)
+    await worker.start()
+    await client.publish(tokenized("other", prompt, max_tokens=6, ignore_eos=True, seed=4))
+    (msg,) = await worker.fetch(1)  # taken, never acked: the worker dies after 3 steps
+    for seq, token in enumerate(stored):
+        await dead.publish(
+            TokensGenerated(
+                request_id="other", seq=seq, token_ids=[token], context_token_ids=stored[:seq]
+            )
+        )
+    await dead.nc.close()
+    async with running_stage(bus_config, engine):
+        sub = await client.nc.subscribe("llm.ev.other.finished")
+        await sub.next_msg(timeout=120)
+    events = await client.replay("other")
+    await client.close()
+    tokens = [e for e in events if isinstance(e, TokensGenerated)]
+    assert [e.seq for e in tokens] == [0, 1, 2, 3, 4, 5]
+    ids = [t for e in tokens for t in e.token_ids]
+    assert ids[:3] == stored
+    assert [e.context_token_ids for e in tokens] == [ids[:i] for i in range(6)]
+    (fin,) = [e for e in events if isinstance(e, RunFinished)]
+    assert (fin.finish_reason, fin.last_seq, fin.usage.completion_tokens) == ("length", 5, 6)
+    assert fin.context_token_ids == ids and engine.stats().num_free_blocks == NUM_BLOCKS
