@@ -258,19 +258,31 @@ def _group_by_length(decodes: list[tuple[int, int, int]]) -> list[list[tuple[int
     return groups
 
 
+SMALL_DECODE_KEYS = 4096  # below this many gathered keys per group: plain gather + SDPA
+
+
 def _gather_kv(g: _DecodeGroup, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
-    """The group's blocks as contiguous K and V [n, KVH, L, D] (L = nb * block_size)."""
+    """The group's blocks as K and V [n, KVH, L, D] (L = nb * block_size).
+
+    Small groups: fresh tensors, viewed head-major. Large ones: contiguous copies into buffers
+    made by the first layer and reused by the rest (fresh multi-MB allocations page-fault).
+    """
     n, nb = g.blocks.shape
     _, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat = g.blocks.flatten()
+    token_major = (n, nb * block_size, num_kv_heads, head_dim)
+    if n * nb * block_size < SMALL_DECODE_KEYS:
+        return tuple(
+            c.index_select(0, flat).view(token_major).transpose(1, 2) for c in (k_cache, v_cache)
+        )
     if g.workspace is None:
         staging = k_cache.new_empty(n * nb, block_size, num_kv_heads, head_dim)
         shape = (n, num_kv_heads, nb * block_size, head_dim)
         g.workspace = (staging, k_cache.new_empty(shape), k_cache.new_empty(shape))
     staging, k_out, v_out = g.workspace
-    flat = g.blocks.flatten()
     for cache, out in ((k_cache, k_out), (v_cache, v_out)):
         torch.index_select(cache, 0, flat, out=staging)
-        out.copy_(staging.view(n, nb * block_size, num_kv_heads, head_dim).transpose(1, 2))
+        out.copy_(staging.view(token_major).transpose(1, 2))
     return k_out, v_out
 
 
@@ -293,7 +305,8 @@ def paged_attention_reference(
         nd = g.blocks.shape[0]
         kd, vd = _gather_kv(g, k_cache, v_cache)  # [nd, KVH, L, D] each
         qd = qd.view(nd, num_kv_heads, group_size, head_dim)  # a KV head's queries share its keys
-        if q.dtype == torch.float32:  # the exactness path: the same kernel transformers uses
+        if q.dtype == torch.float32 or g.workspace is None:
+            # fp32: the same kernel transformers uses (exactness); small groups: one op is cheapest
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
         else:  # skinny batched GEMMs beat the flash kernel ~3x for one query row per sequence
             scores = torch.matmul(qd, kd.transpose(-1, -2))  # [nd, KVH, G, L]

@@ -79,7 +79,12 @@ def run_reference(qs, keys, values, k_cache, v_cache, block_tables, query_lens, 
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reference_matches_dense_causal_attention(query_lens, seq_lens, heads, block_size, dtype):
+@pytest.mark.parametrize("decode_path", ["small", "buffered"])
+def test_reference_matches_dense_causal_attention(
+    query_lens, seq_lens, heads, block_size, dtype, decode_path, monkeypatch
+):
+    if decode_path == "buffered":  # reused gather buffers (+ batched GEMMs for bf16)
+        monkeypatch.setattr(pa, "SMALL_DECODE_KEYS", 0)
     num_heads, num_kv_heads = heads
     case = make_case(
         query_lens,
