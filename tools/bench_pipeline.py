@@ -387,7 +387,7 @@ def run(args) -> int:
         from engine import Engine
         from stages import natsd, tenants
         from stages.bus import BusConfig
-        from stages.engine import engine_config_from_env
+        from stages.engine_params import engine_config_from_env
 
         progress("loading the model")
         engine = Engine(engine_config_from_env())

@@ -20,7 +20,7 @@ from schemas.events import (
 from stages import engine as engine_stage
 from stages.bus import Bus
 from stages.detokenize import context_window
-from stages.engine import AdmissionConfig, admission_room, derived_seed
+from stages.engine_params import AdmissionConfig, derived_seed
 
 EVENTS = subjects.EVENTS_STREAM
 NUM_BLOCKS = 64  # 1024 tokens of KV at block_size 16
@@ -155,17 +155,6 @@ async def test_requests_the_engine_cannot_serve_fail_with_the_reason(bus_config,
     (huge,) = [e for e in got["huge"] if isinstance(e, RequestFailed)]
     assert huge.code == "context_length"
     assert f"{len(prompt) + 2000}" in huge.message and "KV blocks" in huge.message
-
-
-def test_admission_room_counts_reserved_blocks_and_bounds():
-    config = AdmissionConfig(max_active=8, kv_watermark=0.9, max_fetch=4)
-    room = dict(num_total_blocks=100, config=config)
-    assert admission_room(num_free_blocks=100, reserved_blocks=0, num_active=0, **room) == 4
-    assert admission_room(num_free_blocks=100, reserved_blocks=0, num_active=6, **room) == 2
-    assert admission_room(num_free_blocks=100, reserved_blocks=0, num_active=8, **room) == 0
-    assert admission_room(num_free_blocks=40, reserved_blocks=30, num_active=1, **room) == 0
-    assert admission_room(num_free_blocks=40, reserved_blocks=29, num_active=1, **room) == 4
-    assert admission_room(num_free_blocks=5, reserved_blocks=6, num_active=1, **room) == 0
 
 
 @pytest.mark.anyio

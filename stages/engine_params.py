@@ -1,0 +1,102 @@
+"""The engine stage's pure parts: the admission rule, seeds, wire Sampling -> engine
+SamplingParams, and the EngineConfig from BRIGADE_* variables."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.events import Sampling
+from stages.runtime import StageError
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmissionConfig:
+    """When the stage pulls more work: never past these bounds (the rest waits in the durable,
+    where any other engine worker may take it)."""
+
+    max_active: int = 64  # requests held by this worker (running + waiting in the engine)
+    kv_watermark: float = 0.95  # no new work while this fraction of KV blocks is in use
+    max_fetch: int = 16  # messages per pull
+    drain_s: float = (
+        5.0  # on stop: how long running requests may finish before they are handed back
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_active < 1 or self.max_fetch < 1:
+            raise ValueError(f"max_active={self.max_active}, max_fetch={self.max_fetch}: >= 1")
+        if not 0.0 < self.kv_watermark <= 1.0:
+            raise ValueError(f"kv_watermark={self.kv_watermark}; allowed: 0 < x <= 1")
+
+
+def admission_room(
+    *, num_free_blocks: int, num_total_blocks: int, reserved_blocks: int, num_active: int,
+    config: AdmissionConfig,
+) -> int:  # fmt: skip
+    """How many `tokenized` messages to pull now (0: wait for capacity).
+
+    `reserved_blocks` are the blocks that admitted requests whose prompts are not computed yet
+    will take; they count as used, so a burst never oversubscribes the cache.
+    """
+    free = num_free_blocks - reserved_blocks
+    usage = 1.0 - free / num_total_blocks
+    if free <= 0 or usage >= config.kv_watermark or num_active >= config.max_active:
+        return 0
+    return min(config.max_fetch, config.max_active - num_active)
+
+
+def derived_seed(request_id: str) -> int:
+    """The seed of a request that gave none: fixed by its id, so a re-run samples the same."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1
+
+
+def sampling_params(sampling: Sampling, request_id: str) -> Any:
+    """Wire Sampling -> engine.SamplingParams; StageError naming the field when out of range."""
+    from engine import SamplingParams
+
+    try:
+        return SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            seed=derived_seed(request_id) if sampling.seed is None else sampling.seed,
+            max_tokens=sampling.max_tokens,
+            min_tokens=sampling.min_tokens,
+            stop_token_ids=tuple(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
+            logprobs=sampling.logprobs,
+        )
+    except ValueError as err:  # "SamplingParams.min_tokens=9 is invalid; allowed: ..."
+        text = str(err)
+        name = text.split("=", 1)[0].removeprefix("SamplingParams.") if "=" in text else None
+        raise StageError("invalid_request", text, field=name) from err
+
+
+def engine_config_from_env() -> Any:
+    """EngineConfig from BRIGADE_* variables (model, dtype, device, KV budget, batch limits)."""
+    from engine import EngineConfig
+
+    env = os.environ
+    kwargs: dict[str, Any] = {}
+    for key, name, cast in (
+        ("BRIGADE_MODEL", "model", str),
+        ("BRIGADE_DTYPE", "dtype", str),
+        ("BRIGADE_DEVICE", "device", str),
+        ("BRIGADE_KV_CACHE_BYTES", "kv_cache_memory_bytes", int),
+        ("BRIGADE_NUM_KV_BLOCKS", "num_kv_blocks", int),
+        ("BRIGADE_MAX_NUM_SEQS", "max_num_seqs", int),
+        ("BRIGADE_MAX_NUM_BATCHED_TOKENS", "max_num_batched_tokens", int),
+        ("BRIGADE_MAX_MODEL_LEN", "max_model_len", int),
+    ):
+        if env.get(key):
+            try:
+                kwargs[name] = cast(env[key])
+            except ValueError as err:
+                raise ValueError(f"{key}={env[key]!r}: {err}") from err
+    return EngineConfig(**kwargs)

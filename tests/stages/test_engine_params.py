@@ -1,0 +1,63 @@
+"""The engine stage's pure parts: admission numbers, seeds, and the wire -> engine mapping."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.events import Sampling
+from stages.engine_params import (
+    AdmissionConfig,
+    admission_room,
+    derived_seed,
+    engine_config_from_env,
+    sampling_params,
+)
+from stages.runtime import StageError
+
+
+def test_admission_room_counts_reserved_blocks_and_bounds():
+    config = AdmissionConfig(max_active=8, kv_watermark=0.9, max_fetch=4)
+    room = dict(num_total_blocks=100, config=config)
+    assert admission_room(num_free_blocks=100, reserved_blocks=0, num_active=0, **room) == 4
+    assert admission_room(num_free_blocks=100, reserved_blocks=0, num_active=6, **room) == 2
+    assert admission_room(num_free_blocks=100, reserved_blocks=0, num_active=8, **room) == 0
+    assert admission_room(num_free_blocks=40, reserved_blocks=30, num_active=1, **room) == 0
+    assert admission_room(num_free_blocks=40, reserved_blocks=29, num_active=1, **room) == 4
+    assert admission_room(num_free_blocks=5, reserved_blocks=6, num_active=1, **room) == 0
+
+
+def test_seeds_are_fixed_by_the_request_id():
+    assert derived_seed("r1") == derived_seed("r1") != derived_seed("r2")
+    assert 0 <= derived_seed("r1") < 2**63
+    assert sampling_params(Sampling(), "r1").seed == derived_seed("r1")
+    assert sampling_params(Sampling(seed=7), "r1").seed == 7
+
+
+def test_wire_sampling_maps_field_by_field():
+    wire = Sampling(
+        temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, max_tokens=12, min_tokens=2,
+        stop_token_ids=[5, 6], repetition_penalty=1.1, presence_penalty=0.5,
+        frequency_penalty=-0.5, ignore_eos=True, logprobs=3, stop=["x"],
+    )  # fmt: skip
+    p = sampling_params(wire, "r")
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.5, 0.9, 40, 0.05)
+    assert (p.max_tokens, p.min_tokens, p.stop_token_ids) == (12, 2, (5, 6))
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.1, 0.5, -0.5)
+    assert (p.ignore_eos, p.logprobs) == (True, 3)
+
+
+def test_a_value_the_engine_refuses_names_its_field():
+    with pytest.raises(StageError) as info:
+        sampling_params(Sampling(max_tokens=4, min_tokens=9), "r")
+    assert (info.value.code, info.value.field) == ("invalid_request", "min_tokens")
+    assert "max_tokens=4" in info.value.message
+
+
+def test_engine_config_from_the_environment(monkeypatch):
+    monkeypatch.setenv("BRIGADE_NUM_KV_BLOCKS", "128")
+    monkeypatch.setenv("BRIGADE_MAX_NUM_SEQS", "4")
+    config = engine_config_from_env()
+    assert (config.num_kv_blocks, config.max_num_seqs, config.model) == (128, 4, "smollm2-135m")
+    monkeypatch.setenv("BRIGADE_MAX_NUM_SEQS", "four")
+    with pytest.raises(ValueError, match="BRIGADE_MAX_NUM_SEQS='four'"):
+        engine_config_from_env()
