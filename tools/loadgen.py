@@ -124,7 +124,7 @@ class SseTarget:
         }
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         sample = Sample(index=item.index)
-        shown: list[int] = []
+        deltas: list[tuple[int, str]] = []
         finish = None
         sent = time.time_ns()
         try:
@@ -144,26 +144,97 @@ class SseTarget:
                         sample.error = str(chunk["error"])
                         return sample
                     choice = (chunk.get("choices") or [{}])[0]
-                    if (choice.get("delta") or {}).get("content"):
-                        shown.append(now)
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        deltas.append((now, content))
                     finish = choice.get("finish_reason") or finish
         except Exception as err:  # noqa: BLE001 - a failed request is a sample, not a crash
             sample.error = f"{type(err).__name__}: {err}"
             return sample
-        end = time.time_ns()
-        sample.ok = finish in ("stop", "length")
-        if not sample.ok:
-            sample.error = f"finish_reason {finish}"
-        sample.num_tokens = item.max_tokens
-        sample.gaps_ms = [(b - a) / 1e6 for a, b in zip(shown, shown[1:], strict=False)]
-        if shown:
-            sample.ttft_ms = (shown[0] - sent) / 1e6
-            sample.itl_ms = sum(sample.gaps_ms) / len(sample.gaps_ms) if sample.gaps_ms else None
-        sample.e2e_ms = (end - sent) / 1e6
-        if sample.ttft_ms is not None and item.max_tokens > 1:
+        sample = _finish(sample, item, sent, time.time_ns(), deltas)
+        if finish not in ("stop", "length"):
+            sample.ok, sample.error = False, f"finish_reason {finish}"
+        return sample
+
+
+class WsTarget:
+    """One websocket session per request at the edge's `/v1/stream` (Realtime-style events)."""
+
+    name = "ws"
+
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float, model: str) -> None:
+        self.url = base_url.replace("http://", "ws://").replace("https://", "wss://").rstrip("/")
+        self.url += "/v1/stream"
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.model = model
+
+    async def __aenter__(self) -> WsTarget:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    async def run_one(self, item: WorkItem, request_id: str) -> Sample:
+        import websockets
+
+        create = {
+            "type": "response.create",
+            "response": {
+                "model": self.model,
+                "messages": [{"role": "user", "content": item.prompt}],
+                "max_tokens": item.max_tokens,
+                "temperature": 0.0,
+                "seed": item.seed,
+                "ignore_eos": True,
+            },
+        }
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        sample = Sample(index=item.index)
+        deltas: dict[int, tuple[int, str]] = {}
+        sent = time.time_ns()
+        try:
+            with anyio.fail_after(self.timeout_s):
+                async with websockets.connect(self.url, additional_headers=headers) as ws:
+                    await ws.send(json.dumps(create))
+                    async for frame in ws:
+                        now = time.time_ns()
+                        event = json.loads(frame)
+                        kind = event.get("type")
+                        sample.request_id = event.get("request_id") or sample.request_id
+                        if kind == "response.output_text.delta":
+                            deltas.setdefault(event["seq"], (now, event["text"]))
+                        elif kind == "error":
+                            sample.error = str(event.get("error"))
+                            return sample
+                        elif kind == "response.done":
+                            break
+        except Exception as err:  # noqa: BLE001 - a failed request is a sample, not a crash
+            sample.error = f"{type(err).__name__}: {err}"
+            return sample
+        return _finish(sample, item, sent, time.time_ns(), [deltas[k] for k in sorted(deltas)])
+
+
+def _finish(
+    sample: Sample, item: WorkItem, sent: int, end: int, deltas: list[tuple[int, str]]
+) -> Sample:
+    """Client figures from (received ns, text) deltas in seq order and the end of the run."""
+    shown, latest = [], 0
+    for received, text in deltas:
+        latest = max(latest, received)  # an in-order client shows a delta after the earlier ones
+        if text:
+            shown.append(latest)
+    sample.ok = True
+    sample.num_tokens = item.max_tokens
+    sample.gaps_ms = [(b - a) / 1e6 for a, b in zip(shown, shown[1:], strict=False)]
+    sample.e2e_ms = (end - sent) / 1e6
+    if shown:
+        sample.ttft_ms = (shown[0] - sent) / 1e6
+        sample.itl_ms = sum(sample.gaps_ms) / len(sample.gaps_ms) if sample.gaps_ms else None
+        if item.max_tokens > 1:
             sample.tpot_ms = (sample.e2e_ms - sample.ttft_ms) / (item.max_tokens - 1)
             sample.tps = 1e3 / sample.tpot_ms if sample.tpot_ms > 0 else None
-        return sample
+    return sample
 
 
 @dataclass
