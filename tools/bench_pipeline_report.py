@@ -1,0 +1,153 @@
+"""The pipeline benchmark's figures, from the events a client received: per request, per
+streamed token and per stage; and their markdown table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NON_MODEL = ("gateway", "auth", "context", "tokenize", "detokenize")
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass
+class Seen:
+    """Every event of one request with the wall-clock time this client received it."""
+
+    sent_ns: int = 0
+    events: list = field(default_factory=list)  # (received_ns, event)
+    done: object = None
+
+
+def analyse(seen: dict[str, Seen]) -> dict:
+    """Per request: the path's own added latency (submit -> `tokenized` stored, and engine
+    `finished` -> client has `completed`) and the non-model stages' service times; per token:
+    engine publish -> client receipt of `tokens`, and of the `text` made from it."""
+    tag_stage = {
+        "accepted": "gateway",
+        "authorized": "auth",
+        "assembled": "context",
+        "tokenized": "tokenize",
+    }
+    inputs = {"authorized": "accepted", "assembled": "authorized", "tokenized": "assembled"}
+    stage_service: dict[str, list[float]] = {s: [] for s in (*NON_MODEL, "ledger")}
+    stage_queue: dict[str, list[float]] = {s: [] for s in (*NON_MODEL, "ledger")}
+    overhead, service_sum, trips_tokens, trips_text, ttft, e2e, ids = [], [], [], [], [], [], []
+    failed = 0
+    for rec in seen.values():
+        by_tag: dict[str, list] = {}
+        for received, event in rec.events:
+            by_tag.setdefault(type(event).__struct_config__.tag, []).append((received, event))
+        if "completed" not in by_tag:
+            failed += 1
+            continue
+        first = {tag: evs[0][1] for tag, evs in by_tag.items()}
+        total_service = 0.0
+        for tag, stage in tag_stage.items():
+            ev = first[tag]
+            total_service += ev.service_ns / 1e6
+            stage_service[stage].append(ev.service_ns / 1e6)
+            start = ev.ts_ns - ev.service_ns
+            came = rec.sent_ns if tag == "accepted" else first[inputs[tag]].ts_ns
+            stage_queue[stage].append((start - came) / 1e6)
+        tokens = {e.seq: (r, e) for r, e in by_tag.get("tokens", [])}
+        for received, text in by_tag.get("text", []):
+            stage_service["detokenize"].append(text.service_ns / 1e6)
+            source = tokens.get(text.seq)
+            if source is not None:
+                stage_queue["detokenize"].append(
+                    (text.ts_ns - text.service_ns - source[1].ts_ns) / 1e6
+                )
+                trips_text.append((received - source[1].ts_ns) / 1e6)
+        for received, tok in tokens.values():
+            trips_tokens.append((received - tok.ts_ns) / 1e6)
+        flush = max(by_tag["text"], key=lambda p: p[1].seq)[1]
+        total_service += flush.service_ns / 1e6
+        service_sum.append(total_service)
+        fin = first["finished"]
+        done_received = by_tag["completed"][0][0]
+        overhead.append((first["tokenized"].ts_ns - rec.sent_ns + done_received - fin.ts_ns) / 1e6)
+        shown = sorted(r for r, e in by_tag["text"] if e.text)
+        if shown:
+            ttft.append((shown[0] - rec.sent_ns) / 1e6)
+        e2e.append((done_received - rec.sent_ns) / 1e6)
+        ids.append([t for s in sorted(tokens) for t in tokens[s][1].token_ids])
+        for _received, bill in by_tag.get("billed", []):
+            stage_service["ledger"].append(bill.service_ns / 1e6)
+            stage_queue["ledger"].append(
+                (bill.ts_ns - bill.service_ns - first["completed"].ts_ns) / 1e6
+            )
+    return {
+        "overhead_ms": overhead,
+        "service_sum_ms": service_sum,
+        "token_trip_ms": trips_tokens,
+        "text_trip_ms": trips_text,
+        "ttft_ms": ttft,
+        "e2e_ms": e2e,
+        "failed": failed,
+        "stage_service_ms": stage_service,
+        "stage_queue_ms": stage_queue,
+        "token_ids": ids,
+    }
+
+
+def _f(x: float | None, nd: int = 2) -> str:
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(result: dict) -> str:
+    a, p = result["alone"], result["pipeline"]
+    t = result["targets"]
+    rows = [
+        "| per request / per token (ms) | P50 | P95 | target | met |",
+        "|---|---:|---:|---|---|",
+    ]
+    for label, key, target in (
+        (
+            "added latency per request: submit → `tokenized` + `finished` → client",
+            "overhead_ms",
+            "P50 ≤ 2, P95 ≤ 5",
+        ),
+        (
+            "non-model service time per request (gateway+auth+context+tokenize+detokenize)",
+            "service_sum_ms",
+            "—",
+        ),
+        ("streamed token: engine publish → client receives `tokens`", "token_trip_ms", "P95 ≤ 1"),
+        ("streamed token: engine publish → client receives its `text`", "text_trip_ms", "—"),
+    ):
+        xs = p[key]
+        met = {"overhead_ms": t["overhead"], "token_trip_ms": t["token_trip"]}.get(key)
+        rows.append(
+            f"| {label} | {_f(pct(xs, 0.5))} | {_f(pct(xs, 0.95))} | {target} | {'—' if met is None else ('yes' if met else 'no')} |"
+        )
+    rows += [
+        "",
+        "| stage | service P50 | service P95 | queue P50 | queue P95 | samples |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for stage, xs in p["stage_service_ms"].items():
+        qs = p["stage_queue_ms"][stage]
+        rows.append(
+            f"| {stage} | {_f(pct(xs, 0.5), 3)} | {_f(pct(xs, 0.95), 3)} | {_f(pct(qs, 0.5), 3)} | {_f(pct(qs, 0.95), 3)} | {len(xs)} |"
+        )
+    rows += [
+        "",
+        "| same requests | TTFT P50 | TTFT P95 | E2E P50 | E2E P95 | output tok/s |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| engine alone | {_f(pct(a['ttft_ms'], 0.5), 0)} | {_f(pct(a['ttft_ms'], 0.95), 0)} | {_f(pct(a['e2e_ms'], 0.5), 0)} | {_f(pct(a['e2e_ms'], 0.95), 0)} | {a['tokens'] / a['wall_s']:.1f} |",
+        f"| full pipeline | {_f(pct(p['ttft_ms'], 0.5), 0)} | {_f(pct(p['ttft_ms'], 0.95), 0)} | {_f(pct(p['e2e_ms'], 0.5), 0)} | {_f(pct(p['e2e_ms'], 0.95), 0)} | {p['tokens'] / p['wall_s']:.1f} |",
+        "",
+        f"{result['requests']} requests per side, {result['concurrency']} in flight, {result['max_tokens']} output tokens each; "
+        f"model: {result['model']}; layout: {result['layout']}; identical token ids on both sides: {result['same_token_ids']}; "
+        f"failed through the pipeline: {p['failed']}; "
+        f"{result['machine']}.",
+    ]
+    return "\n".join(rows)
