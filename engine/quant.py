@@ -59,10 +59,10 @@ class Int4Linear(nn.Module):
         out_features, in_features = weight.shape
         g = INT4_GROUP_SIZE
         w = weight.float().reshape(out_features, in_features // g, g)  # [out, in/g, g]
-        w_min, w_max = w.amin(dim=2), w.amax(dim=2)  # [out, in/g]
-        scales = ((w_max - w_min) / 15.0).clamp_min(1e-8)
-        q = torch.round((w - w_min[..., None]) / scales[..., None]).clamp_(0, 15)
-        q = q.to(torch.int32).reshape(out_features, in_features)
+        w_min, w_max = torch.aminmax(w, dim=2)  # [out, in/g]
+        scales = (w_max - w_min).div_(15.0).clamp_min_(1e-8)
+        q = (w - w_min[..., None]).div_(scales[..., None]).round_().clamp_(0, 15)
+        q = q.to(torch.int32).view(out_features, in_features)
         zeros = w_min + 8.0 * scales
         self.register_buffer("weight", torch._convert_weight_to_int4pack_for_cpu(q, 1))
         # [in/g, out, 2]: (scale, zero) per group and output channel
