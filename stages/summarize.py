@@ -66,7 +66,8 @@ class Summarizer:
         if not plain.dropped_history:
             return assembled(event, plain, budget)
         header = len(state.costs.tok.encode(f"\n\n{SUMMARY_HEADER}\n"))
-        free = budget - (plain.num_prompt_tokens - plain.parts[2].num_tokens)  # room beside history
+        history = next(p.num_tokens for p in plain.parts if p.name == "history")
+        free = budget - (plain.num_prompt_tokens - history)  # room beside the history
         max_tokens = min(self.max_tokens, (free - header - 2) // 2)  # at most half the room
         if max_tokens < MIN_SUMMARY_TOKENS:
             reason = f"no room for a summary: {free} tokens left beside the fixed parts"
