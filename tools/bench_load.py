@@ -34,6 +34,9 @@ def register(subparsers) -> None:
     p.add_argument("--capacity", action="store_true", help="search the highest passing rate")
     p.add_argument("--rates", default="0.25,0.5,1,2,4", help="--capacity: rates to try, rising")
     p.add_argument("--bisect", type=int, default=2, help="--capacity: refinement steps")
+    p.add_argument(
+        "--sweep", action="store_true", help="--capacity: try every rate, even after a failure"
+    )
     p.add_argument("--duration", type=float, default=60.0, help="--capacity: seconds per rate")
     p.add_argument("--out", type=Path, default=Path(".brigade/bench"), help="output directory")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -11,8 +11,9 @@ from tools.sla import Sla, holds
 
 
 async def search(args, workload, rates: list[float]) -> list[dict]:
-    """Rising rates until the SLA breaks, then `--bisect` steps between the last pass and the
-    first failure. The SLA is judged on the log's figures (KV usage may be without data)."""
+    """Rising rates until the SLA breaks (every rate with `--sweep`, for the whole curve), then
+    `--bisect` steps between the last pass and the first failure. The SLA is judged on the log's
+    figures (KV usage may be without data)."""
     from tools.report import sla_lines
 
     steps: list[dict] = []
@@ -31,9 +32,11 @@ async def search(args, workload, rates: list[float]) -> list[dict]:
         if await step(rate):
             passed = rate
         else:
-            failed = rate
-            break
-    for _ in range(args.bisect if passed is not None and failed is not None else 0):
+            failed = rate if failed is None else failed
+            if not args.sweep:
+                break
+    can_bisect = passed is not None and failed is not None and passed < failed
+    for _ in range(args.bisect if can_bisect else 0):
         mid = round((passed + failed) / 2, 3)
         if await step(mid):
             passed = mid

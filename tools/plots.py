@@ -128,7 +128,7 @@ def waterfall(
                     color=color,
                     height=0.6,
                 )
-        ax.set_yticks(range(len(requests)), [rid[:16] for rid, _ in requests], fontsize=8)
+        ax.set_yticks(range(len(requests)), [rid[-16:] for rid, _ in requests], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("ms since arrival (pale: queue wait, solid: service, tick: first token)")
         seen = {h.stage for _, hops in requests for h in hops}
