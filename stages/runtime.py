@@ -176,6 +176,10 @@ class StageWorker:
             return await self._sub.fetch(max_msgs, timeout=self.fetch_timeout_s)
         except TimeoutError:  # nats' TimeoutError and FetchTimeoutError subclass it
             return []
+        except nats.errors.Error as err:  # reconnecting, a leader election: try again soon
+            self.log.warning("fetch failed, retrying: %s", err)
+            await anyio.sleep(self.fetch_timeout_s)
+            return []
 
     def decode(self, msg: Msg) -> Any:
         """The typed input, or raises msgspec.DecodeError / ValidationError."""
