@@ -87,9 +87,11 @@ def start(
     data_dir: Path | None = None,
     *,
     max_payload: int = MAX_PAYLOAD_BYTES,
+    port: int | None = None,
     timeout_s: float = 15.0,
 ) -> NatsServer:
-    """Start a private server on random 127.0.0.1 ports with JetStream data under `data_dir`.
+    """Start a private server on 127.0.0.1 (a random port unless `port`) with JetStream data
+    under `data_dir`.
 
     Call from the main thread: the server is tied to the starting thread's life (Linux).
     """
@@ -104,7 +106,7 @@ def start(
         "-c", str(conf),
         "-js",
         "-a", "127.0.0.1",
-        "-p", "-1",
+        "-p", str(port or -1),
         "-m", "-1",
         "--ports_file_dir", str(ports_dir),
     ]  # fmt: skip

@@ -295,3 +295,33 @@ async def test_output_above_max_payload_fails_the_request(tmp_path) -> None:
         await bus.close()
     finally:
         natsd.stop(server)
+
+
+async def test_worker_survives_a_server_restart(tmp_path) -> None:
+    """The server goes away and comes back on the same port with its data: serving resumes."""
+    from stages import natsd
+
+    server = natsd.start(tmp_path / "n")
+    port = int(server.url.rsplit(":", 1)[1])
+    config = BusConfig(servers=(server.url,))
+    state: dict = {}
+    stop, ready = anyio.Event(), anyio.Event()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: serve(
+                    make_spec(state), config=config, stop=stop, ready=ready, handle_signals=False
+                )
+            )
+            await ready.wait()
+            natsd.stop(server)
+            await anyio.sleep(1.0)
+            server = natsd.start(tmp_path / "n", port=port)
+            bus = await Bus.connect(config)
+            await bus.publish(accepted("after1", "hi"))
+            assert await wait_for(bus, "llm.ev.after1.authorized", 1, timeout_s=15) == 1
+            stop.set()
+        assert state["seen"] == ["after1"]
+        await bus.close()
+    finally:
+        natsd.stop(server)
