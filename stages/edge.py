@@ -41,7 +41,7 @@ from stages.admission import AdmissionConfig, AdmissionGate
 from stages.bus import MSG_ID_HEADER, Bus
 from stages.edge_keys import Caller, KeyRing
 from stages.edge_metrics import EdgeMetrics
-from stages.idempotency import IdempotencyConflict, IdempotencyStore, request_hash
+from stages.idempotency import Claim, IdempotencyConflict, IdempotencyStore, request_hash
 from stages.openai_compat import RequestError, error_body
 from stages.ratelimit import estimate_prompt_tokens
 from stages.runstate import RunStates
@@ -49,6 +49,7 @@ from stages.runtime import StageError
 from stages.runwatch import RunWatch
 
 MAX_AUTH_HEADER = 1024
+ABANDONED_AFTER_S = 10.0  # a claim with no run in the log this long after: submit it anew
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +201,15 @@ class Edge:
                 )
             except IdempotencyConflict as err:
                 raise RequestError("conflict", str(err), "idempotency_key") from None
+            if not claim.new and await self._abandoned(claim):
+                stale = claim.request_id
+                if not await self.idempotency.take_over(
+                    caller.tenant, submit.idempotency_key, digest, stale, request_id
+                ):
+                    raise RequestError(
+                        "conflict", "the idempotency key changed hands; retry", "idempotency_key"
+                    )
+                claim = Claim(request_id=request_id, new=True)
             if not claim.new:
                 self.gate.release(request_id)
                 watch = self._watch(claim.request_id, starting_after=-1)
@@ -213,6 +223,20 @@ class Edge:
         headers = {MSG_ID_HEADER: f"{request_id}:submit"}
         await self.bus.js.publish(subjects.SUBMIT, encode(submit), headers=headers)
         return watch
+
+    async def _abandoned(self, claim: Claim) -> bool:
+        """A claimed run that never reached the gateway (its edge died between claim and submit):
+        nothing of it in the log after `ABANDONED_AFTER_S`."""
+        if claim.age_s < ABANDONED_AFTER_S:
+            return False
+        for event in ("accepted", "failed"):
+            subject = subjects.event_subject(claim.request_id, event)
+            try:
+                await self.bus.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+                return False
+            except NotFoundError:
+                continue
+        return True
 
     async def attach(self, caller: Caller, request_id: str, starting_after: int) -> RunWatch:
         await self.owned(caller, request_id)

@@ -9,6 +9,8 @@ event stream's dedupe window, which only covers redeliveries.
 from __future__ import annotations
 
 import hashlib
+import time
+from collections.abc import Callable
 
 import msgspec
 from nats.js import JetStreamContext
@@ -39,11 +41,13 @@ class IdempotencyRecord(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     body_hash: str
     tenant: str
+    created_ns: int = 0  # wall clock of the claim
 
 
 class Claim(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str  # the run this key belongs to
     new: bool  # True: this caller started it and must submit it
+    age_s: float = 0.0  # how long ago the key was claimed
 
 
 _encoder = msgspec.json.Encoder()
@@ -63,12 +67,15 @@ def kv_key(tenant: str, key: str) -> str:
 
 
 class IdempotencyStore:
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, clock: Callable[[], int] = time.time_ns) -> None:
         self.kv = kv
+        self.clock = clock
 
     async def claim(self, tenant: str, key: str, digest: str, request_id: str) -> Claim:
         """Claim `key` for `request_id`; the existing run when the body matches; else conflict."""
-        record = IdempotencyRecord(request_id=request_id, body_hash=digest, tenant=tenant)
+        record = IdempotencyRecord(
+            request_id=request_id, body_hash=digest, tenant=tenant, created_ns=self.clock()
+        )
         name = kv_key(tenant, key)
         try:
             await self.kv.create(name, _encoder.encode(record))
@@ -82,7 +89,28 @@ class IdempotencyStore:
             return Claim(request_id=request_id, new=True)  # claimed by this run's edge
         if existing.body_hash != digest:
             raise IdempotencyConflict(key, existing.request_id)
-        return Claim(request_id=existing.request_id, new=False)
+        age_s = max(0, self.clock() - existing.created_ns) / 1e9
+        return Claim(request_id=existing.request_id, new=False, age_s=age_s)
+
+    async def take_over(
+        self, tenant: str, key: str, digest: str, stale_id: str, request_id: str
+    ) -> bool:
+        """Point the key at `request_id` if it still names `stale_id` (a run that was claimed
+        but never submitted). A late submit of the stale run is then refused by auth."""
+        try:
+            entry = await self.kv.get(kv_key(tenant, key))
+        except KeyNotFoundError:
+            return False
+        if not entry.value or _decoder.decode(entry.value).request_id != stale_id:
+            return False
+        record = IdempotencyRecord(
+            request_id=request_id, body_hash=digest, tenant=tenant, created_ns=self.clock()
+        )
+        try:
+            await self.kv.update(kv_key(tenant, key), _encoder.encode(record), last=entry.revision)
+        except KeyWrongLastSequenceError:
+            return False  # someone else took it first
+        return True
 
     async def release(self, tenant: str, key: str, request_id: str) -> None:
         """Forget the key if it still names `request_id` (a run refused before it started, e.g.

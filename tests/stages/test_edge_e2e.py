@@ -16,11 +16,12 @@ import websockets
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
-from schemas.events import TextGenerated, decode_event
-from stages import ledger, tenants
+from schemas.events import Submit, TextGenerated, decode_event
+from stages import gateway, ledger, tenants
 from stages.admission import AdmissionConfig
 from stages.bus import Bus
 from stages.edge_keys import KeyRing
+from stages.idempotency import IdempotencyStore, request_hash
 from tests.stages.edge_harness import ACME_KEY, GLOBEX_KEY, MODEL
 from tests.stages.pipeline_harness import running_pipeline
 
@@ -171,6 +172,27 @@ async def test_idempotency_key_runs_once(pipeline):
         counts = info.state.subjects or {}
         for event in ("accepted", "tokenized", "completed"):
             assert counts[subjects.event_subject(rid, event)] == 1, event
+    finally:
+        await bus.close()
+
+
+async def test_a_key_claimed_by_a_run_that_never_started_is_taken_over(pipeline):
+    """An edge died between claiming a key and submitting: a retry 10+ s later runs the request."""
+    edge, config = pipeline
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 3, "temperature": 0}
+    bus = await Bus.connect(config)
+    try:
+        past = time.time_ns() - 20 * 10**9
+        store = IdempotencyStore(await bus.kv(subjects.IDEMPOTENCY_BUCKET), clock=lambda: past)
+        ghost = msgspec.convert({**body, "request_id": "ghost1"}, Submit)
+        digest = request_hash(gateway.normalize(ghost, limit_chars=10**6))
+        assert (await store.claim("acme", "order-ghost", digest, "ghost1")).new
+        headers = {"Authorization": f"Bearer {ACME_KEY}", "Idempotency-Key": "order-ghost"}
+        async with httpx.AsyncClient(base_url=edge.url, headers=headers, timeout=60) as http:
+            r = await http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+        assert (await store.lookup("acme", "order-ghost")).request_id == r.headers["X-Request-Id"]
     finally:
         await bus.close()
 

@@ -67,3 +67,23 @@ async def test_racing_claims_agree_on_one_run(bus_config):
     finally:
         for b in buses:
             await b.close()
+
+
+async def test_take_over_only_from_the_named_stale_run(bus_config):
+    bus = await Bus.connect(bus_config)
+    now = [1_000 * 10**9]
+    try:
+        store = IdempotencyStore(
+            await bus.kv(subjects.IDEMPOTENCY_BUCKET, ttl_s=3600), clock=lambda: now[0]
+        )
+        digest = request_hash(_req("hi"))
+        await store.claim("acme", "k", digest, "ghost")
+        now[0] += 12 * 10**9
+        again = await store.claim("acme", "k", digest, "r2")
+        assert (again.request_id, again.new, again.age_s) == ("ghost", False, 12.0)
+        assert not await store.take_over("acme", "k", digest, "someone-else", "r2")
+        assert await store.take_over("acme", "k", digest, "ghost", "r2")
+        assert not await store.take_over("acme", "k", digest, "ghost", "r3")  # taken already
+        assert (await store.lookup("acme", "k")).request_id == "r2"
+    finally:
+        await bus.close()
