@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.attention import AttentionMetadata, paged_attend, prepare_attention
+from engine.attention import AttentionMetadata, AttentionPlan, paged_attend, prepare_attention
 from engine.config import ModelConfig
 from engine.quant import Quantization, make_linear
 
@@ -62,7 +62,7 @@ class DecoderLayer(nn.Module):
         cos: Tensor,  # [T, 1, head_dim]
         sin: Tensor,  # [T, 1, head_dim], sign of the first half folded in
         kv_cache: tuple[Tensor, Tensor],
-        plan,
+        plan: AttentionPlan,
     ) -> Tensor:
         t, hd, half = x.shape[0], self.head_dim, self.head_dim // 2
         h = F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps)
