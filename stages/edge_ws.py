@@ -7,6 +7,7 @@ socket (1009). Leaving with a response in flight cancels it (reason `disconnect`
 from __future__ import annotations
 
 import contextlib
+import json
 
 import anyio
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -30,9 +31,14 @@ class Session:
         rid = self.active.request_id if self.active is not None else None
         await self.ws.send_text(realtime.error(err, rid, event_id).decode())
 
-    async def serve(self) -> None:
+    async def serve(self, resume: str | None = None) -> None:
         async with anyio.create_task_group() as tg:
             try:
+                if resume is not None:  # /v1/stream?request_id=...&starting_after=...
+                    try:
+                        await self._on_frame(resume, tg)
+                    except RequestError as err:
+                        await self.send_error(err)
                 while True:
                     frame = await self._receive()
                     if frame is None:
@@ -127,4 +133,11 @@ async def stream_socket(edge: Edge, ws: WebSocket) -> None:
         await ws.send_denial_response(error_response(err))
         return
     await ws.accept()
-    await Session(edge, caller, ws).serve()
+    query = ws.query_params
+    resume = None
+    if "request_id" in query:
+        raw_after = query.get("starting_after", "-1")
+        after = int(raw_after) if raw_after.lstrip("-").isdigit() else -2  # -2: refused by name
+        resume = json.dumps({"type": "response.resume", "request_id": query["request_id"],
+                             "starting_after": after})  # fmt: skip
+    await Session(edge, caller, ws).serve(resume)

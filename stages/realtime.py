@@ -1,7 +1,8 @@
 """The websocket protocol of `/v1/stream`, typed JSON events in the style of OpenAI's Realtime API.
 
 Client: `response.create` {response: {messages | prompt, model, sampling..., idempotency_key}},
-`response.cancel` {request_id?}, `response.resume` {request_id, starting_after}.
+`response.cancel` {request_id?}, `response.resume` {request_id, starting_after} (or, on
+connect, /v1/stream?request_id=...&starting_after=...).
 Server: `response.created`, `response.output_text.delta`, `response.done`, `error`.
 """
 

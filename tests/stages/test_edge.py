@@ -152,3 +152,16 @@ async def test_websocket_refuses_bad_keys_and_frames(bus_config, tmp_path):
             with pytest.raises(websockets.ConnectionClosed) as closed:
                 await ws.recv()
             assert closed.value.rcvd.code == 1009
+
+
+async def test_websocket_resume_query_is_checked(bus_config, tmp_path):
+    async with running_edge(bus_config, keyring_for_tests(tmp_path)) as edge:
+        auth = _auth(ACME_KEY)
+        url = f"{edge.ws_url}?request_id=nosuchrun&starting_after=3"
+        async with websockets.connect(url, additional_headers=auth) as ws:
+            err = json.loads(await ws.recv())
+            assert (err["type"], err["error"]["code"]) == ("error", "not_found")
+        async with websockets.connect(
+            f"{edge.ws_url}?request_id=x&starting_after=abc", additional_headers=auth
+        ) as ws:
+            assert json.loads(await ws.recv())["error"]["field"] == "starting_after"

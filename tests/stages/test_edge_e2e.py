@@ -123,10 +123,8 @@ async def test_websocket_stream_resume_and_run_state(pipeline):
     assert done["last_seq"] == seqs[-1]
     text = "".join(d["text"] for d in deltas)
 
-    async with websockets.connect(edge.ws_url, additional_headers=auth) as ws:
-        await ws.send(
-            json.dumps({"type": "response.resume", "request_id": rid, "starting_after": 2})
-        )
+    resume_url = f"{edge.ws_url}?request_id={rid}&starting_after=2"  # reconnect and resume
+    async with websockets.connect(resume_url, additional_headers=auth) as ws:
         assert json.loads(await ws.recv())["type"] == "response.created"
         rest = []
         while (event := json.loads(await ws.recv()))["type"] == "response.output_text.delta":
