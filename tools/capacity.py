@@ -82,7 +82,8 @@ def plot(steps: list[dict], path: Path, sla: Sla) -> Path:
     )
     ax.axhline(sla.ttft_p95_ms, color="C0", linestyle=":")
     ax.set_xlabel("offered rate (requests/s)")
-    ax.set_ylabel("TTFT P95 (ms)")
+    ax.set_ylabel("TTFT P95 (ms, log scale)")
+    ax.set_yscale("log")
     twin = ax.twinx()
     twin.plot(
         rates,
