@@ -72,6 +72,14 @@ class Archiver:
     async def start(self) -> None:
         await self.bus.ensure_streams()
         self.stats.last_stream_seq = self.log.recover()
+        info = await self.bus.js.stream_info(subjects.EVENTS_STREAM)
+        if info.state.last_seq < self.stats.last_stream_seq:
+            raise RuntimeError(
+                f"the archive in {self.config.archive_dir} holds stream sequences up to "
+                f"{self.stats.last_stream_seq} but the {subjects.EVENTS_STREAM} stream ends at "
+                f"{info.state.last_seq}: the stream was recreated. Move the archive aside or set "
+                "BRIGADE_ARCHIVE_DIR to start a new one (sequences would collide otherwise)"
+            )
         await self._bind_consumer(self.stats.last_stream_seq)
 
     async def _bind_consumer(self, checkpoint: int) -> None:

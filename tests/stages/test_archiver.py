@@ -139,3 +139,18 @@ async def test_clean_restart_reuses_the_durable(bus_config: BusConfig, tmp_path:
     assert first.created == second.created  # the same durable, not a recreated one
     assert (second.ack_floor.stream_seq, second.num_ack_pending) == (8, 0)
     assert [r[0] for r in archived(tmp_path / "archive")] == list(range(1, 9))
+
+
+async def test_an_archive_ahead_of_a_recreated_stream_is_refused(
+    bus_config: BusConfig, tmp_path: Path
+):
+    ParquetLog(tmp_path / "archive").commit(500)  # an archive of an earlier stream
+    bus = await Bus.connect(bus_config)
+    await bus.ensure_streams()
+    try:
+        await publish(bus, "fresh", 1)  # the new stream ends at seq 4
+        archiver = Archiver(bus, ArchiverConfig(archive_dir=tmp_path / "archive"))
+        with pytest.raises(RuntimeError, match="up to 500 but the BRIGADE_EVENTS stream ends at 4"):
+            await archiver.start()
+    finally:
+        await bus.close()
