@@ -69,21 +69,27 @@ def apply_top_p(
 ) -> Tensor:
     """Keep the smallest set of most likely tokens whose probability mass reaches `top_p[i]`.
 
-    A token stays when the mass of the tokens more likely than it is below p. Only the top
-    `candidates[0]` tokens are ranked at first (sorting the whole vocabulary costs ~25x more);
-    while some row's candidates hold less than its p, the next, larger candidate count is tried,
-    and finally the whole vocabulary. The result is exact either way.
+    A token stays when the mass of the tokens more likely than it is below p. Each row ranks
+    only its top `candidates[0]` tokens (sorting the whole vocabulary costs ~25x more); the
+    rows whose candidates hold less than their p rank more, up to the whole vocabulary, so the
+    result is exact either way.
     """
     probs = logits.softmax(dim=-1)
-    vocab = logits.shape[-1]
+    n, vocab = logits.shape
+    keep = torch.zeros_like(logits, dtype=torch.bool)  # [n, vocab]
+    rows = torch.arange(n, device=logits.device)  # rows still to settle
     for k in [min(c, vocab) for c in candidates] + [vocab]:
-        top_probs, top_ids = probs.topk(k, dim=-1)  # [n, k], descending
+        p = top_p[rows]
+        top_probs, top_ids = probs[rows].topk(k, dim=-1)  # [r, k], descending
         cum = top_probs.cumsum(dim=-1)
-        if k == vocab or bool((cum[:, -1] >= top_p).all()):
+        done = (cum[:, -1] >= p) | (k == vocab)
+        kept = (cum - top_probs) < p[:, None]  # the top token always stays
+        settled = torch.zeros(len(rows), vocab, dtype=torch.bool, device=logits.device)
+        keep[rows[done]] = settled.scatter_(1, top_ids, kept)[done]
+        rows = rows[~done]
+        if len(rows) == 0:
             break
-    keep = (cum - top_probs) < top_p[:, None]  # [n, k]; the top token always stays
-    kept = logits.gather(1, top_ids).masked_fill(~keep, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(1, top_ids, kept)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
