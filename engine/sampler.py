@@ -61,34 +61,43 @@ def apply_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-TOP_P_CANDIDATES = (256, 4096)  # top-p ranks this many likely tokens before the whole vocab
+BUCKET_SHIFT = 20  # a positive float32's bits >> 20: exponent + 3 mantissa bits, 2048 buckets
 
 
-def apply_top_p(
-    logits: Tensor, top_p: Tensor, candidates: tuple[int, ...] = TOP_P_CANDIDATES
-) -> Tensor:
+def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
     """Keep the smallest set of most likely tokens whose probability mass reaches `top_p[i]`.
 
-    A token stays when the mass of the tokens more likely than it is below p. Each row ranks
-    only its top `candidates[0]` tokens (sorting the whole vocabulary costs ~25x more); the
-    rows whose candidates hold less than their p rank more, up to the whole vocabulary, so the
-    result is exact either way.
+    A token stays when the mass of the tokens ranked before it is below p (equal probabilities,
+    common with bf16 logits, rank the lower token id first). Sorting the
+    whole vocabulary costs ~20x the rest of the sampler, so each row first finds, from a
+    histogram of its probabilities over 2048 monotone buckets (the float's exponent and top 3
+    mantissa bits), the lowest bucket above which the mass still reaches p. Every token below
+    it is more unlikely than tokens holding p of the mass, so only that bucket and those above
+    are sorted: exact, and a few hundred candidates instead of 49k for most rows.
     """
-    probs = logits.softmax(dim=-1)
     n, vocab = logits.shape
-    keep = torch.zeros_like(logits, dtype=torch.bool)  # [n, vocab]
-    rows = torch.arange(n, device=logits.device)  # rows still to settle
-    for k in [min(c, vocab) for c in candidates] + [vocab]:
-        p = top_p[rows]
-        top_probs, top_ids = probs[rows].topk(k, dim=-1)  # [r, k], descending
-        cum = top_probs.cumsum(dim=-1)
-        done = (cum[:, -1] >= p) | (k == vocab)
-        kept = (cum - top_probs) < p[:, None]  # the top token always stays
-        settled = torch.zeros(len(rows), vocab, dtype=torch.bool, device=logits.device)
-        keep[rows[done]] = settled.scatter_(1, top_ids, kept)[done]
-        rows = rows[~done]
-        if len(rows) == 0:
-            break
+    dev = logits.device
+    probs = logits.softmax(dim=-1)  # [n, vocab]
+    buckets = probs.view(torch.int32) >> BUCKET_SHIFT  # [n, vocab], monotone in probs
+    hist = torch.zeros(n, 1 << (31 - BUCKET_SHIFT), device=dev)
+    hist.scatter_add_(1, buckets.long(), probs)  # [n, 2048] mass per bucket
+    above = hist.flip(1).cumsum(1).flip(1)  # mass in bucket b and higher
+    # the highest bucket whose mass-at-or-above reaches p (>= 0 even if rounding leaves the
+    # total just under p)
+    lowest = ((above >= top_p[:, None]).sum(1) - 1).clamp_min(0)  # [n]
+    cand = buckets >= lowest[:, None]  # [n, vocab]
+    rows, cols = cand.nonzero(as_tuple=True)  # [c] each, row-major
+    vals = probs[rows, cols]  # [c]
+    order = torch.sort(vals, descending=True, stable=True).indices
+    order = order[torch.sort(rows[order], stable=True).indices]  # by row, then most likely
+    rows, cols, vals = rows[order], cols[order], vals[order]
+    cum = vals.double().cumsum(0)  # [c] running mass over all rows' candidates
+    counts = torch.bincount(rows, minlength=n)  # [n] candidates per row
+    starts = counts.cumsum(0) - counts  # [n] first candidate of each row
+    before = cum - vals.double() - (cum - vals.double())[starts][rows]  # mass more likely
+    kept = before < top_p.double()[rows]  # the top token always stays (before == 0)
+    keep = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+    keep[rows[kept], cols[kept]] = True
     return logits.masked_fill(~keep, float("-inf"))
 
 

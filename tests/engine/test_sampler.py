@@ -118,7 +118,22 @@ def test_logprobs_sampled_first_then_top_n_from_raw_distribution():
 
 def test_top_p_widens_its_candidates_until_exact():
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.7, 0.1, 0.1, 0.1]])
-    p = torch.tensor([0.85, 0.5])
-    narrow = apply_top_p(probs.log(), p, candidates=(1, 2))  # 2 candidates miss row 0's 0.85
-    assert torch.equal(narrow, apply_top_p(probs.log(), p))
-    assert torch.isinf(narrow).tolist() == [[False, False, False, True], [False, True, True, True]]
+    out = apply_top_p(probs.log(), torch.tensor([0.85, 0.5]))  # row 0 needs 3 tokens
+    assert torch.isinf(out).tolist() == [[False, False, False, True], [False, True, True, True]]
+
+
+def test_top_p_bucketed_candidates_match_a_full_sort():
+    gen = torch.Generator().manual_seed(0)
+    # peaked, flat and mixed rows over a 5000-token vocabulary
+    scale = torch.tensor([8.0, 0.1, 2.0, 4.0, 1.0, 0.5])[:, None]
+    logits = torch.randn(6, 5000, generator=gen) * scale
+    p = torch.tensor([0.95, 0.9, 0.5, 0.99, 0.01, 0.7])
+    probs, ids = logits.softmax(-1).sort(
+        dim=-1, descending=True, stable=True
+    )  # ties: lower id first
+    keep_sorted = (probs.double().cumsum(-1) - probs.double()) < p.double()[:, None]
+    expected = torch.zeros_like(keep_sorted).scatter_(1, ids, keep_sorted)
+    out = apply_top_p(logits, p)
+    assert torch.equal(~torch.isinf(out), expected)
+    assert expected.sum(1).tolist() == [int(k) for k in (~torch.isinf(out)).sum(1)]
+    assert expected[0].sum() < 50 < 1000 < expected[1].sum()  # peaked vs flat rows
