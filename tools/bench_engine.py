@@ -1,7 +1,11 @@
 """`brigade bench engine`: prefill and decode speed, continuous vs static batching, KV memory.
 
-Static batching uses the same engine: the next batch is admitted only when the whole previous
-batch finished, so every batch waits for its longest member. Writes engine.md and engine.json.
+Static batching runs on the same engine and model in two forms. "static" is what a padded
+`generate` batch computes: each batch of `concurrency` requests prefills its longest prompt for
+every row (pad tokens) and decodes every row until its longest member is done (finished rows go
+on decoding as padding; only each request's own tokens count). "static-admission" only delays
+admission: a batch starts when the previous one has fully finished, but rows leave as they end.
+Writes engine.md and engine.json.
 """
 
 from __future__ import annotations
@@ -82,22 +86,52 @@ class Timed:
         return outs
 
 
-def run_workload(engine, workload, concurrency: int, static: bool, params_for) -> dict:
-    """Continuous: keep `concurrency` requests in flight, refill as each ends. Static: admit a
-    batch of `concurrency` only when the previous batch has fully finished."""
+MODES = ("continuous", "static", "static-admission")
+PAD_TOKEN_ID = 0  # what padded prompt positions hold; its compute is what counts
+
+
+def padded_batches(workload, concurrency: int):
+    """Static batches as a padded `generate` runs them: [(index, ids, max_tokens, own_tokens)]
+    per batch, every prompt left-padded to the batch's longest and every max_tokens raised to
+    the batch's largest (own_tokens: how many of the row's tokens are real output)."""
+    for start in range(0, len(workload), concurrency):
+        batch = list(enumerate(workload))[start : start + concurrency]
+        width = max(len(ids) for _, (ids, _) in batch)
+        steps = max(m for _, (_, m) in batch)
+        yield [(i, [PAD_TOKEN_ID] * (width - len(ids)) + ids, steps, m) for i, (ids, m) in batch]
+
+
+def run_workload(engine, workload, concurrency: int, mode: str, params_for) -> dict:
+    """continuous: keep `concurrency` requests in flight, refill as each ends. static: padded
+    lockstep batches (see the module docstring). static-admission: admit a batch of
+    `concurrency` only when the previous batch has fully finished."""
     timed = Timed(engine)
-    pending = list(enumerate(workload))
-    in_flight, generated = 0, 0
+    generated = 0
     t0 = time.perf_counter()
-    while pending or in_flight:
-        if not static or in_flight == 0:
-            while pending and in_flight < concurrency:
-                i, (ids, max_tokens) = pending.pop(0)
-                engine.add_request(f"w{i}", ids, params_for(i, max_tokens))
-                in_flight += 1
-        for out in timed.step():
-            generated += len(out.new_token_ids)
-            in_flight -= out.finished
+    if mode == "static":
+        for batch in padded_batches(workload, concurrency):
+            own = {f"w{i}": own_tokens for i, _, _, own_tokens in batch}
+            produced = dict.fromkeys(own, 0)
+            for i, ids, steps, _ in batch:
+                engine.add_request(f"w{i}", ids, params_for(i, steps))
+            while engine.has_unfinished_requests():
+                for out in timed.step():
+                    rid = out.request_id
+                    real = min(len(out.new_token_ids), own[rid] - produced[rid])
+                    produced[rid] += len(out.new_token_ids)
+                    generated += max(real, 0)
+    else:
+        pending = list(enumerate(workload))
+        in_flight = 0
+        while pending or in_flight:
+            if mode == "continuous" or in_flight == 0:
+                while pending and in_flight < concurrency:
+                    i, (ids, max_tokens) = pending.pop(0)
+                    engine.add_request(f"w{i}", ids, params_for(i, max_tokens))
+                    in_flight += 1
+            for out in timed.step():
+                generated += len(out.new_token_ids)
+                in_flight -= out.finished
     wall = time.perf_counter() - t0
     decode_s = timed.decode_only_s
     return {
@@ -210,11 +244,9 @@ def run(args: argparse.Namespace) -> int:
     res["batching"] = {}
     for c in (8,) if quick else (8, 32):
         workload = make_workload(2 * c, args.seed + c, vocab, prompt_lens, output_lens)
-        for mode in ("continuous", "static"):
+        for mode in MODES:
             print(f"{mode} batching, {c} concurrent ...", flush=True)
-            res["batching"][f"{mode}_{c}"] = run_workload(
-                engine, workload, c, mode == "static", params_for
-            )
+            res["batching"][f"{mode}_{c}"] = run_workload(engine, workload, c, mode, params_for)
     dt = engine.dtype
     per_block = estimate_kv_bytes(mc, num_tokens=engine.config.block_size, dtype=dt)
     top_c = max(int(k.split("_")[1]) for k in res["batching"])
@@ -263,17 +295,22 @@ def markdown(res: dict) -> str:
     if hf:
         lines.append(f"| transformers fp32 generate, 1 stream | {hf} ({single / hf:.2f}x) |")
     w = res["workload"]
+    labels = {
+        "continuous": "continuous batching",
+        "static": "static batching (padded, lockstep)",
+        "static-admission": "static admission only (rows leave early)",
+    }
     for key, r in res["batching"].items():
         mode, c = key.split("_")
         lines.append(
-            f"| {mode} batching, {c} concurrent ({r['requests']} requests) | {r['tok_per_s']} "
+            f"| {labels[mode]}, {c} concurrent ({r['requests']} requests) | {r['tok_per_s']} "
             f"tok/s ({r['generated_tokens']} tokens in {r['wall_s']} s, {r['steps']} steps); "
             f"decode-only steps {r['decode_only_tok_per_s']} tok/s; outside the model runner "
             f"{r['overhead_cpu_ms_per_step']} CPU ms/step |"
         )
-        if mode == "static":
+        if mode != "continuous":
             ratio = res["batching"][f"continuous_{c}"]["tok_per_s"] / r["tok_per_s"]
-            lines.append(f"| continuous / static, {c} concurrent | {ratio:.2f}x |")
+            lines.append(f"| continuous / {labels[mode]}, {c} concurrent | {ratio:.2f}x |")
     kv = res["kv"]
     lines += [
         f"| KV held, paged, peak / mean ({kv['concurrency']} concurrent) | "
@@ -284,7 +321,9 @@ def markdown(res: dict) -> str:
         "",
         f"Workload: prompts {w['prompt_lens'][0]}-{w['prompt_lens'][1]} tokens, outputs "
         f"{w['output_lens'][0]}-{w['output_lens'][1]} tokens, seed {w['seed']}, 2 x concurrency "
-        "requests, temperature 0.8 / top-p 0.95; tok/s = generated tokens / wall time.",
+        "requests, temperature 0.8 / top-p 0.95; tok/s = generated tokens / wall time (padded "
+        "static rows count only their own tokens; pad prompt positions hold token id "
+        f"{PAD_TOKEN_ID}).",
         "",
     ]
     return "\n".join(lines)
