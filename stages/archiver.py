@@ -9,7 +9,6 @@ it is recreated to start at checkpoint + 1. One archiver per archive directory.
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from schemas import subjects
 from schemas.logrows import default_archive_dir, row_from_message
 from stages.bus import Bus, BusConfig
 from stages.parquet_log import ParquetLog
+from stages.runtime import stop_on_signal
 
 log = logging.getLogger("brigade.archiver")
 DURABLE = subjects.durable_name("archiver")
@@ -199,22 +199,12 @@ async def serve(
     try:
         async with anyio.create_task_group() as tg:
             if handle_signals:
-                tg.start_soon(_stop_on_signal, stop)
+                tg.start_soon(stop_on_signal, stop)
             await worker.run(stop, ready)
             tg.cancel_scope.cancel()
     finally:
         await bus.close()
     return worker.stats
-
-
-async def _stop_on_signal(stop: anyio.Event) -> None:
-    try:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                stop.set()
-                return
-    except (NotImplementedError, ValueError):  # not the main thread: the caller stops us
-        await anyio.sleep_forever()
 
 
 def main() -> None:

@@ -373,7 +373,7 @@ async def serve(*, config, stop: anyio.Event, ready: anyio.Event | None = None,
                                                 ready=projector_ready, handle_signals=False))  # fmt: skip
             tg.start_soon(run_server)
             if handle_signals:
-                tg.start_soon(runtime._stop_on_signal, stop)
+                tg.start_soon(runtime.stop_on_signal, stop)
             while not server.started and not server_done.is_set():
                 await anyio.sleep(0.01)
             if server_done.is_set():

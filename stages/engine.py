@@ -462,7 +462,7 @@ async def serve(
 ) -> None:
     """`brigade stage engine`: load the model (in a thread), then serve until `stop`."""
     from stages.bus import Bus
-    from stages.runtime import _stop_on_signal
+    from stages.runtime import stop_on_signal
 
     stop = stop or anyio.Event()
     # step() runs in a thread and holds the GIL between torch ops; a short switch interval lets
@@ -490,7 +490,7 @@ async def serve(
             ready.set()
         async with anyio.create_task_group() as tg:
             if handle_signals:
-                tg.start_soon(_stop_on_signal, stop)
+                tg.start_soon(stop_on_signal, stop)
             await EngineStage(engine, worker, admission).run(stop)
             tg.cancel_scope.cancel()
         await worker.close()

@@ -387,14 +387,15 @@ async def serve(
     try:
         async with anyio.create_task_group() as tg:
             if handle_signals:
-                tg.start_soon(_stop_on_signal, stop)
+                tg.start_soon(stop_on_signal, stop)
             await worker.run(stop, ready)
             tg.cancel_scope.cancel()
     finally:
         await bus.close()
 
 
-async def _stop_on_signal(stop: anyio.Event) -> None:
+async def stop_on_signal(stop: anyio.Event) -> None:
+    """Set `stop` on SIGTERM or SIGINT (graceful drain); off the main thread the caller stops."""
     try:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
