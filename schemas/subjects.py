@@ -20,7 +20,9 @@ RUNS_BUCKET = "brigade_runs"
 RATES_BUCKET = "brigade_rates"
 
 # Letters, digits, '_' and '-': no '.', '*', '>' or spaces, so an id is always one subject token.
-REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+# (?!\n) because Python's "$" also matches before a final newline; the form stays valid JSON
+# Schema (ECMA-262) for `brigade schema`.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}(?!\n)$"
 
 
 def event_subject(request_id: str, event: str) -> str:

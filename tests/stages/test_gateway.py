@@ -74,7 +74,7 @@ def submit_result(data: bytes) -> RequestAccepted | RequestFailed:
         (
             b'{"request_id": "a.b", "prompt": "x"}',
             "request_id",
-            "invalid submit field `request_id`: Expected `str` matching regex '^[A-Za-z0-9_-]{1,64}$'",
+            "invalid submit field `request_id`: Expected `str` matching regex '^[A-Za-z0-9_-]{1,64}(?!\\\\n)$'",
         ),
     ],
 )
