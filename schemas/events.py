@@ -45,7 +45,9 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     max_tokens: Annotated[int, Meta(ge=1, le=8192)] = 256
     min_tokens: Annotated[int, Meta(ge=0, le=8192)] = 0
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)] = []
+    stop: Annotated[
+        list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)
+    ] = []
     stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=64)] = []
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
@@ -78,7 +80,9 @@ class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     max_tokens: Annotated[int, Meta(ge=1, le=8192)] = 256
     min_tokens: Annotated[int, Meta(ge=0, le=8192)] = 0
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)] = []
+    stop: Annotated[
+        list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)
+    ] = []
     stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=64)] = []
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
