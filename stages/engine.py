@@ -30,6 +30,7 @@ from schemas.events import (
     decoder_for,
 )
 from stages.bus import BusConfig
+from stages.cpu_priority import CpuPriority, LowPriorityThreads
 from stages.detokenize import context_window
 from stages.engine_params import (
     AdmissionConfig,
@@ -88,8 +89,16 @@ class Run:
 class EngineStage:
     """The engine worker: a fetch loop (admission), a step loop, and a cancel subscription."""
 
-    def __init__(self, engine: Any, worker: StageWorker, admission: AdmissionConfig) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        worker: StageWorker,
+        admission: AdmissionConfig,
+        priority: CpuPriority | None = None,
+    ) -> None:
         self.engine = engine
+        # step() runs below the stages' event loops and nats-server (stages/cpu_priority.py)
+        self._lowered = LowPriorityThreads(priority or CpuPriority.from_env())
         self.worker = worker
         self.bus = worker.bus
         self.admission = admission
@@ -256,7 +265,7 @@ class EngineStage:
                 continue
             began = time.monotonic_ns()
             try:
-                outputs = await anyio.to_thread.run_sync(self.engine.step)
+                outputs = await anyio.to_thread.run_sync(self._step)
             except Exception as err:  # noqa: BLE001 - a broken step fails what it was running
                 log.exception("engine step failed")
                 self._fail_all(tg, f"the engine step failed: {type(err).__name__}: {err}")
@@ -268,6 +277,11 @@ class EngineStage:
                 if run is not None:
                     await self._on_output(run, out, took, stats, tg)
             self._room.set()
+
+    def _step(self) -> list[Any]:
+        """In the worker thread: lowered once (with the torch threads it starts), then one step."""
+        self._lowered.ensure()
+        return self.engine.step()
 
     def _fail_all(self, tg: anyio.abc.TaskGroup, message: str) -> None:
         for rid, run in list(self.runs.items()):
@@ -468,6 +482,7 @@ async def serve(
     # step() runs in a thread and holds the GIL between torch ops; a short switch interval lets
     # the event loop (this stage's publishes, and every stage sharing the process) in promptly.
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+    priority = CpuPriority.from_env()
     if engine is None:
         from engine import Engine
 
@@ -479,7 +494,13 @@ async def serve(
             engine_config.dtype,
             engine_config.device,
         )
-        engine = await anyio.to_thread.run_sync(Engine, engine_config)
+        lowered = LowPriorityThreads(priority)
+
+        def load() -> Any:  # lowered too: torch threads started while loading keep the priority
+            lowered.ensure()
+            return Engine(engine_config)
+
+        engine = await anyio.to_thread.run_sync(load)
         log.info("model loaded in %.1f s", time.monotonic() - began)
     admission = admission or AdmissionConfig(max_active=engine.config.max_num_seqs)
     bus = await Bus.connect(config, name=f"brigade-{STAGE}")
@@ -491,7 +512,7 @@ async def serve(
         async with anyio.create_task_group() as tg:
             if handle_signals:
                 tg.start_soon(stop_on_signal, stop)
-            await EngineStage(engine, worker, admission).run(stop)
+            await EngineStage(engine, worker, admission, priority).run(stop)
             tg.cancel_scope.cancel()
         await worker.close()
     finally:
