@@ -123,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         """The last layer's residual stream [T, hidden]; compute_logits applies the final norm."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.config.num_layers} layers")
-        plan = prepare_attention(attn, self.device)
+        plan = prepare_attention(attn, self.device, self.dtype)
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)

@@ -203,19 +203,36 @@ class _DecodeGroup:
 
 
 @dataclass
+class _KernelDecodes:
+    """Every single-token sequence of the step, for the compiled CPU kernel (all int32)."""
+
+    block_tables: Tensor  # [S, W] the step's block tables
+    seq_idx: Tensor  # [n] each decode's row of block_tables
+    rows: Tensor  # [n] each decode's row of the step's tokens
+    seq_lens: Tensor  # [n] keys each decode attends
+
+
+@dataclass
 class ReferencePlan:
     """What the reference needs per step, built once and shared by every layer."""
 
     decodes: list[_DecodeGroup]  # single-token sequences, batched by similar length
     prefills: list[_PrefillSeq]  # the others, one by one
+    kernel: _KernelDecodes | None = None  # set: the decodes go to the compiled CPU kernel
 
 
 MAX_DECODE_GROUPS = 4
 
 
 def build_reference_plan(
-    block_tables: Tensor, query_lens: list[int], seq_lens: list[int], block_size: int
+    block_tables: Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    *,
+    decode_kernel: bool = False,
 ) -> ReferencePlan:
+    """decode_kernel: hand the single-token sequences to kernels.cpu_attention (bf16, CPU)."""
     device = block_tables.device
     tables = block_tables.to(torch.int64).clamp_min(0)  # [S, max_blocks]
     decodes, prefills, row = [], [], 0  # decodes: (row, seq index, num blocks)
@@ -229,6 +246,15 @@ def build_reference_plan(
             mask = pos[None, :] <= pos[sl - ql :, None]  # [ql, sl]
             prefills.append(_PrefillSeq(row, row + ql, tables[i, : -(-sl // block_size)], mask))
         row += ql
+    if decode_kernel and decodes:
+        rows, seq_idx, _ = zip(*decodes, strict=True)
+        kernel = _KernelDecodes(
+            block_tables.to(torch.int32).contiguous(),
+            torch.tensor(seq_idx, dtype=torch.int32),
+            torch.tensor(rows, dtype=torch.int32),
+            torch.tensor([seq_lens[i] for i in seq_idx], dtype=torch.int32),
+        )
+        return ReferencePlan([], prefills, kernel)
     groups = _group_by_length(decodes)
     every_row = len(groups) == 1 and len(decodes) == row
     if every_row:
@@ -300,6 +326,14 @@ def paged_attention_reference(
     num_kv_heads = k.shape[1]
     group_size = num_heads // num_kv_heads
     out = None
+    if plan.kernel is not None:
+        from kernels.cpu_attention import paged_decode_attention
+
+        kd = plan.kernel
+        out = q.new_empty(q.shape)
+        paged_decode_attention(
+            q, k_cache, v_cache, kd.block_tables, kd.seq_idx, kd.rows, kd.seq_lens, scale, out
+        )
     for g in plan.decodes:
         qd = q if g.rows is None else q[g.rows]
         nd = g.blocks.shape[0]

@@ -1,0 +1,165 @@
+"""The compiled CPU decode-attention kernel (cpu_decode_attention.c), built once per machine.
+
+The system C compiler builds it into a per-user cache the first time it is needed (~0.3 s), keyed
+by the source, the flags and the CPU, and ctypes loads it. OpenMP in it binds to the libgomp torch
+has already loaded, so it shares torch's threads. No compiler, or BRIGADE_CPU_KERNEL=0: `load()`
+returns None and the engine uses the pure-torch reference instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+# -ffast-math lets the compiler vectorize expf and reorder the fp32 sums; the kernel never
+# produces infinities or NaNs from finite inputs. Each later set drops what a compiler lacked.
+FLAG_SETS = (
+    ("-O3", "-march=native", "-ffast-math", "-fopenmp"),
+    ("-O3", "-ffast-math", "-fopenmp"),
+    ("-O3", "-ffast-math"),
+)
+log = logging.getLogger("brigade.kernels")
+
+_i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32]
+_ARGTYPES += [_f32, _ptr, _i64, _i32]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "brigade" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and its CPU's feature flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
+    """Compile into `target` atomically; -> None, or the compiler's complaint."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            return done.stderr.strip()[-500:] or f"exit status {done.returncode}"
+        os.replace(tmp, target)  # concurrent builders each write their own file first
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None when it cannot be had here."""
+    if os.environ.get("BRIGADE_CPU_KERNEL", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler (cc/gcc, or $CC): CPU decode attention uses the torch path")
+        return None
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(
+            b"\0".join(
+                [source, " ".join(flags).encode(), compiler.encode(), _cpu_signature().encode()]
+            )
+        ).hexdigest()[:16]
+        target = cache_dir() / f"cpu_decode_attention-{key}.so"
+        if not target.exists():
+            err = _build(compiler, flags, target)
+            if err is not None:
+                errors.append(f"{' '.join(flags)}: {err}")
+                continue
+        lib = ctypes.CDLL(str(target))
+        fn = lib.paged_decode_attention_bf16
+        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+        return lib
+    log.warning(
+        "could not build the CPU decode-attention kernel; using the torch path:\n%s",
+        "\n".join(errors),
+    )
+    return None
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def paged_decode_attention(
+    q: Tensor,  # [T, H, D] bf16, heads and dims contiguous (rows may be strided)
+    k_cache: Tensor,  # [num_blocks, block_size, KVH, D] bf16, contiguous
+    v_cache: Tensor,
+    block_tables: Tensor,  # [S, W] int32, contiguous
+    seq_idx: Tensor,  # [n] int32: each decode's row of block_tables
+    rows: Tensor,  # [n] int32: each decode's query row of q (and of out)
+    seq_lens: Tensor,  # [n] int32: keys each decode attends (>= 1)
+    scale: float,
+    out: Tensor,  # [T, H, D] bf16, contiguous; only the decode rows are written
+) -> None:
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU decode-attention kernel is not available (see the log)")
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a bfloat16 CPU tensor, got {t.dtype} on {t.device}")
+    if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous():
+        raise ValueError("q needs contiguous heads and dims, out must be contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()):
+        raise ValueError("k_cache, v_cache and block_tables must be contiguous")
+    index = (seq_idx, rows, seq_lens)
+    if any(t.dtype != torch.int32 or not t.is_contiguous() for t in (block_tables, *index)):
+        raise ValueError("block_tables, seq_idx, rows and seq_lens must be contiguous int32")
+    status = lib.paged_decode_attention_bf16(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_idx.data_ptr(),
+        rows.data_ptr(),
+        seq_lens.data_ptr(),
+        seq_idx.shape[0],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    if status == -1:
+        raise ValueError(
+            f"{num_heads} heads over {num_kv_heads} KV heads with head_dim {head_dim}: the kernel "
+            "takes at most 16 query heads per KV head and head_dim <= 256"
+        )
+    if status != 0:
+        raise MemoryError("the CPU decode-attention kernel could not allocate its score buffer")
