@@ -1,4 +1,5 @@
-"""`brigade bench engine`: prefill and decode speed, continuous vs static batching, KV memory.
+"""`brigade bench engine`: prefill and decode speed, continuous vs static batching on two
+workload shapes, KV memory, and transformers `generate` on the same weights and requests.
 
 Static batching runs on the same engine and model in two forms. "static" is what a padded
 `generate` batch computes: each batch of `concurrency` requests prefills its longest prompt for
@@ -18,7 +19,13 @@ import statistics
 import time
 from pathlib import Path
 
+from tools import bench_engine_hf
+from tools.bench_engine_report import markdown
+from tools.bench_engine_workload import SHAPES, make_workload, padded_batches, padding_context
+
 PREFILL_LENS = (128, 512, 2048)
+MODES = ("continuous", "static", "static-admission")
+CONCURRENCY, CONCURRENCY_QUICK = (8, 32), (8,)
 
 
 def register(subparsers) -> None:
@@ -32,22 +39,21 @@ def register(subparsers) -> None:
         choices=("auto", "none", "int8", "int4"),
         help="weights (auto: int4 for bf16 on the CPU)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the mixed workload")
+    p.add_argument("--seed", type=int, default=0, help="seed of the mixed workloads")
     p.add_argument("--quick", action="store_true", help="short run: smaller workload, 1 repeat")
-    p.add_argument("--no-transformers", action="store_true", help="skip the transformers run")
+    p.add_argument(
+        "--no-transformers",
+        action="store_true",
+        help="skip transformers (its padded fp32 batches take about 10 of a full run's minutes)",
+    )
+    p.add_argument(
+        "--transformers-shapes",
+        nargs="+",
+        choices=SHAPES,
+        default=list(SHAPES),
+        help="workload shapes that also run through transformers generate (default: both)",
+    )
     p.set_defaults(func=run)
-
-
-def make_workload(n: int, seed: int, vocab: int, prompt_lens, output_lens):
-    """n (prompt_token_ids, max_tokens) pairs drawn with a fixed seed."""
-    rng = random.Random(seed)
-    return [
-        (
-            [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_lens))],
-            rng.randint(*output_lens),
-        )
-        for _ in range(n)
-    ]
 
 
 class Timed:
@@ -61,7 +67,7 @@ class Timed:
         self.decode_only_s, self.decode_only_tokens = 0.0, 0
         self.used_blocks: list[int] = []
         self._decode_only = False
-        run = engine.runner.run
+        run = self._run = engine.runner.run
 
         def timed_run(scheduled):
             self._decode_only = all(s.num_new_tokens == 1 for s in scheduled)
@@ -85,20 +91,9 @@ class Timed:
         self.used_blocks.append(bm.num_blocks - bm.num_free_blocks)
         return outs
 
-
-MODES = ("continuous", "static", "static-admission")
-PAD_TOKEN_ID = 0  # what padded prompt positions hold; its compute is what counts
-
-
-def padded_batches(workload, concurrency: int):
-    """Static batches as a padded `generate` runs them: [(index, ids, max_tokens, own_tokens)]
-    per batch, every prompt left-padded to the batch's longest and every max_tokens raised to
-    the batch's largest (own_tokens: how many of the row's tokens are real output)."""
-    for start in range(0, len(workload), concurrency):
-        batch = list(enumerate(workload))[start : start + concurrency]
-        width = max(len(ids) for _, (ids, _) in batch)
-        steps = max(m for _, (_, m) in batch)
-        yield [(i, [PAD_TOKEN_ID] * (width - len(ids)) + ids, steps, m) for i, (ids, m) in batch]
+    def close(self) -> None:
+        """Put the runner back, so the next run does not step through this one's wrapper."""
+        self.engine.runner.run = self._run
 
 
 def run_workload(engine, workload, concurrency: int, mode: str, params_for) -> dict:
@@ -133,6 +128,7 @@ def run_workload(engine, workload, concurrency: int, mode: str, params_for) -> d
                 generated += len(out.new_token_ids)
                 in_flight -= out.finished
     wall = time.perf_counter() - t0
+    timed.close()
     decode_s = timed.decode_only_s
     return {
         "requests": len(workload),
@@ -184,41 +180,82 @@ def bench_single_decode(engine, vocab: int, num_tokens: int) -> float:
     return round((num_tokens - 1) / (time.perf_counter() - t), 1)
 
 
-def bench_transformers(model: str, vocab: int, num_tokens: int) -> float | None:
-    """Single-stream greedy decode tok/s of transformers fp32 `generate` on the same GGUF."""
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return None
-    from engine.weights import resolve_model
+def bench_shape(engine, shape: str, seed: int, quick: bool, params_for) -> dict:
+    """The batching comparison on one workload shape: every mode at every concurrency on the
+    same 2 x concurrency requests, with the padding a static batch pays in theory."""
+    prompt_lens, output_lens = ((32, 256), (16, 64)) if quick else ((32, 1024), (16, 256))
+    res: dict = {
+        "shape": shape,
+        "prompt_lens": prompt_lens,
+        "output_lens": output_lens,
+        "seed": seed,
+        "padding": {},
+        "batching": {},
+    }
+    for c in CONCURRENCY_QUICK if quick else CONCURRENCY:
+        workload = make_workload(
+            2 * c, seed + c, engine.model_config.vocab_size, prompt_lens, output_lens, shape
+        )
+        res["padding"][str(c)] = padding_context(workload, c, prompt_lens, output_lens, shape)
+        for mode in MODES:
+            print(f"{shape}: {mode} batching, {c} concurrent ...", flush=True)
+            res["batching"][f"{mode}_{c}"] = run_workload(engine, workload, c, mode, params_for)
+    return res
 
-    path = resolve_model(model)
-    kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    root = path.parent if path.suffix == ".gguf" else path
-    hf = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32, **kw).eval()
-    ids = torch.tensor([[random.Random(2).randrange(3, vocab) for _ in range(32)]])
 
-    def generate(n: int) -> float:
-        t = time.perf_counter()
-        with torch.inference_mode():
-            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - t
+def kv_memory(engine, shape_res: dict) -> dict:
+    """KV bytes the paged cache held under continuous batching at the top concurrency, vs a
+    contiguous reservation per sequence (max_model_len, or the workload's longest)."""
+    from engine.kv_cache import estimate_kv_bytes
 
-    generate(2)  # warm-up
-    return round((num_tokens - 1) / (generate(num_tokens) - generate(1)), 1)
+    mc, dt = engine.model_config, engine.dtype
+    per_block = estimate_kv_bytes(mc, num_tokens=engine.config.block_size, dtype=dt)
+    top_c = max(int(k.rsplit("_", 1)[1]) for k in shape_res["batching"])
+    cont = shape_res["batching"][f"continuous_{top_c}"]
+    longest = shape_res["prompt_lens"][1] + shape_res["output_lens"][1]
+    return {
+        "concurrency": top_c,
+        "paged_peak_bytes": cont["peak_blocks"] * per_block,
+        "paged_mean_bytes": round(cont["mean_blocks"] * per_block),
+        "contiguous_max_model_len_bytes": estimate_kv_bytes(
+            mc, num_tokens=engine.max_model_len, batch_size=top_c, dtype=dt
+        ),
+        "contiguous_workload_max_bytes": estimate_kv_bytes(
+            mc, num_tokens=longest, batch_size=top_c, dtype=dt
+        ),
+    }
+
+
+def bench_transformers(args, vocab: int, decode_n: int, res: dict) -> None:
+    """transformers fp32 `generate`: one stream, then the same requests as padded batches."""
+    hf = bench_engine_hf.load_model(args.model)
+    if hf is None:
+        res["transformers"] = "not installed"
+        return
+    print("transformers fp32 generate, 1 stream ...", flush=True)
+    res["transformers_fp32_decode_tok_per_s"] = bench_engine_hf.single_decode(hf, vocab, decode_n)
+    for shape in args.transformers_shapes:
+        w = res["workloads"][shape]
+        w["transformers_fp32"] = {}
+        for c in sorted({int(k.rsplit("_", 1)[1]) for k in w["batching"]}):
+            print(f"{shape}: transformers fp32 padded batches, {c} concurrent ...", flush=True)
+            workload = make_workload(
+                2 * c, w["seed"] + c, vocab, w["prompt_lens"], w["output_lens"], shape
+            )
+            w["transformers_fp32"][f"static_{c}"] = bench_engine_hf.run_workload(
+                hf, workload, c, seed=w["seed"] + c
+            )
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from engine import Engine, EngineConfig, SamplingParams
-    from engine.kv_cache import estimate_kv_bytes
 
     quick = args.quick
     quantization = None if args.quantization == "none" else args.quantization
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, quantization=quantization))
-    mc, vocab = engine.model_config, engine.model_config.vocab_size
+    vocab = engine.model_config.vocab_size
     res: dict = {
         "model": args.model,
         "dtype": args.dtype,
@@ -227,44 +264,36 @@ def run(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "quick": quick,
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "section_wall_s": {},
     }
+    clock = time.perf_counter()
+
+    def section_done(name: str) -> None:
+        nonlocal clock
+        res["section_wall_s"][name] = round(time.perf_counter() - clock, 1)
+        clock = time.perf_counter()
+
     print("prefill ...", flush=True)
     res["prefill_tok_per_s"] = bench_prefill(engine, vocab, repeats=1 if quick else 2)
     decode_n = 32 if quick else 128
     print("single-stream decode ...", flush=True)
     res["single_decode_tok_per_s"] = bench_single_decode(engine, vocab, decode_n)
+    section_done("prefill_and_single_stream")
 
     def params_for(i: int, max_tokens: int):
         return SamplingParams(
             temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True
         )
 
-    prompt_lens, output_lens = ((32, 256), (16, 64)) if quick else ((32, 1024), (16, 256))
-    res["workload"] = {"prompt_lens": prompt_lens, "output_lens": output_lens, "seed": args.seed}
-    res["batching"] = {}
-    for c in (8,) if quick else (8, 32):
-        workload = make_workload(2 * c, args.seed + c, vocab, prompt_lens, output_lens)
-        for mode in MODES:
-            print(f"{mode} batching, {c} concurrent ...", flush=True)
-            res["batching"][f"{mode}_{c}"] = run_workload(engine, workload, c, mode, params_for)
-    dt = engine.dtype
-    per_block = estimate_kv_bytes(mc, num_tokens=engine.config.block_size, dtype=dt)
-    top_c = max(int(k.split("_")[1]) for k in res["batching"])
-    cont = res["batching"][f"continuous_{top_c}"]
-    res["kv"] = {
-        "concurrency": top_c,
-        "paged_peak_bytes": cont["peak_blocks"] * per_block,
-        "paged_mean_bytes": round(cont["mean_blocks"] * per_block),
-        "contiguous_max_model_len_bytes": estimate_kv_bytes(
-            mc, num_tokens=engine.max_model_len, batch_size=top_c, dtype=dt
-        ),
-        "contiguous_workload_max_bytes": estimate_kv_bytes(
-            mc, num_tokens=prompt_lens[1] + output_lens[1], batch_size=top_c, dtype=dt
-        ),
-    }
+    res["workloads"] = {}
+    for shape in SHAPES:
+        w = res["workloads"][shape] = bench_shape(engine, shape, args.seed, quick, params_for)
+        w["kv"] = kv_memory(engine, w)
+        section_done(f"engine_{shape}")
     if not args.no_transformers:
-        print("transformers fp32 generate ...", flush=True)
-        res["transformers_fp32_decode_tok_per_s"] = bench_transformers(args.model, vocab, decode_n)
+        del engine  # its KV pools are not needed any more
+        bench_transformers(args, vocab, decode_n, res)
+        section_done("transformers")
     table = markdown(res)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -273,57 +302,3 @@ def run(args: argparse.Namespace) -> int:
     print(table)
     print(f"wrote {out / 'engine.md'} and {out / 'engine.json'}")
     return 0
-
-
-def markdown(res: dict) -> str:
-    mib = 2**20
-    q = res["quantization"] or "dense"
-    lines = [
-        f"Engine benchmark: {res['model']} {res['dtype']} ({q} weights), "
-        f"{res['threads']} threads, max_num_batched_tokens {res['max_num_batched_tokens']}"
-        + (" (quick run)" if res["quick"] else "")
-        + f"; load average at start {res['load_average_at_start']}",
-        "",
-        "| measure | value |",
-        "|---|---|",
-    ]
-    for n, v in res["prefill_tok_per_s"].items():
-        lines.append(f"| prefill tok/s @ {n} prompt tokens | {v} |")
-    single = res["single_decode_tok_per_s"]
-    lines.append(f"| decode tok/s, 1 stream | {single} |")
-    hf = res.get("transformers_fp32_decode_tok_per_s")
-    if hf:
-        lines.append(f"| transformers fp32 generate, 1 stream | {hf} ({single / hf:.2f}x) |")
-    w = res["workload"]
-    labels = {
-        "continuous": "continuous batching",
-        "static": "static batching (padded, lockstep)",
-        "static-admission": "static admission only (rows leave early)",
-    }
-    for key, r in res["batching"].items():
-        mode, c = key.split("_")
-        lines.append(
-            f"| {labels[mode]}, {c} concurrent ({r['requests']} requests) | {r['tok_per_s']} "
-            f"tok/s ({r['generated_tokens']} tokens in {r['wall_s']} s, {r['steps']} steps); "
-            f"decode-only steps {r['decode_only_tok_per_s']} tok/s; outside the model runner "
-            f"{r['overhead_cpu_ms_per_step']} CPU ms/step |"
-        )
-        if mode != "continuous":
-            ratio = res["batching"][f"continuous_{c}"]["tok_per_s"] / r["tok_per_s"]
-            lines.append(f"| continuous / {labels[mode]}, {c} concurrent | {ratio:.2f}x |")
-    kv = res["kv"]
-    lines += [
-        f"| KV held, paged, peak / mean ({kv['concurrency']} concurrent) | "
-        f"{kv['paged_peak_bytes'] / mib:.1f} / {kv['paged_mean_bytes'] / mib:.1f} MiB |",
-        f"| KV if reserved contiguously: max_model_len / workload max | "
-        f"{kv['contiguous_max_model_len_bytes'] / mib:.1f} / "
-        f"{kv['contiguous_workload_max_bytes'] / mib:.1f} MiB |",
-        "",
-        f"Workload: prompts {w['prompt_lens'][0]}-{w['prompt_lens'][1]} tokens, outputs "
-        f"{w['output_lens'][0]}-{w['output_lens'][1]} tokens, seed {w['seed']}, 2 x concurrency "
-        "requests, temperature 0.8 / top-p 0.95; tok/s = generated tokens / wall time (padded "
-        "static rows count only their own tokens; pad prompt positions hold token id "
-        f"{PAD_TOKEN_ID}).",
-        "",
-    ]
-    return "\n".join(lines)
