@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 ENV = "BRIGADE_ENGINE_CPU_PRIORITY"
+BACKGROUND_ENV = "BRIGADE_BACKGROUND_CPU_PRIORITY"  # ledger and archiver processes
 DEFAULT = "batch:19"  # as quick to yield as SCHED_IDLE here, less starved by other work
 log = logging.getLogger("brigade.cpu_priority")
 
@@ -31,27 +32,27 @@ class CpuPriority:
             raise ValueError(f"nice={self.nice}: give 0..19 (higher runs later)")
 
     @classmethod
-    def parse(cls, text: str) -> CpuPriority:
+    def parse(cls, text: str, env: str = ENV) -> CpuPriority:
         """`idle`, `batch`, `batch:N`, `nice:N` or `normal` (N in 0..19)."""
         name, _, value = text.strip().lower().partition(":")
         allowed = "idle, batch, batch:N, nice:N or normal (N in 0..19)"
         if name not in ("idle", "batch", "nice", "normal") or (
             value and name in ("idle", "normal")
         ):
-            raise ValueError(f"{ENV}={text!r}: give {allowed}")
+            raise ValueError(f"{env}={text!r}: give {allowed}")
         if name == "nice" and not value:
-            raise ValueError(f"{ENV}={text!r}: nice needs a value, e.g. nice:10; give {allowed}")
+            raise ValueError(f"{env}={text!r}: nice needs a value, e.g. nice:10; give {allowed}")
         try:
             nice = int(value) if value else 0
         except ValueError:
             raise ValueError(
-                f"{ENV}={text!r}: {value!r} is not an integer; give {allowed}"
+                f"{env}={text!r}: {value!r} is not an integer; give {allowed}"
             ) from None
         return cls(policy=name, nice=nice)  # type: ignore[arg-type]
 
     @classmethod
-    def from_env(cls) -> CpuPriority:
-        return cls.parse(os.environ.get(ENV) or DEFAULT)
+    def from_env(cls, env: str = ENV) -> CpuPriority:
+        return cls.parse(os.environ.get(env) or DEFAULT, env)
 
 
 def apply_to_current_thread(priority: CpuPriority) -> bool:
@@ -69,7 +70,7 @@ def apply_to_current_thread(priority: CpuPriority) -> bool:
             os.setpriority(os.PRIO_PROCESS, tid, priority.nice)
         return True
     except (AttributeError, OSError) as err:  # not Linux, or a sandbox that forbids it
-        log.warning("could not lower the engine's CPU priority (%s=%s): %s", ENV, priority, err)
+        log.warning("could not lower this thread's CPU priority (%s): %s", priority, err)
         return False
 
 

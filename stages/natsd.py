@@ -71,7 +71,7 @@ def _write_config(data_dir: Path, max_payload: int) -> Path:
     return conf
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: the server gets SIGTERM if the process that started it dies (even by SIGKILL)."""
     try:
         import ctypes
@@ -117,7 +117,7 @@ def start(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C in a terminal reaches us, not the server: we drain first
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )
     ports_file = ports_dir / f"nats-server_{proc.pid}.ports"
     deadline = time.monotonic() + timeout_s

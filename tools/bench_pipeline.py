@@ -43,8 +43,8 @@ def register(subparsers) -> None:
     p.add_argument(
         "--in-process",
         action="store_true",
-        help="every stage in this process, as `brigade up` (default: one process per stage, as "
-        "compose and `brigade up --procs`)",
+        help="the layout of `brigade up`: the engine and ledger in their own processes, the "
+        "other stages in this one (default: one process per stage, as compose and `--procs`)",
     )
     p.set_defaults(func=run)
 
@@ -157,75 +157,53 @@ async def through_pipeline(config, api_key: str, work: list[dict], concurrency: 
     return {"seen": seen, "wall_s": wall}
 
 
-async def _pipeline_side(config, api_key, work, concurrency, engine, progress) -> dict:
+async def _client_side(config, api_key, work, concurrency, here, progress) -> dict:
+    """Stages `here` as tasks of this process (none with --procs), then the client."""
     import anyio
 
-    from tools.stage import PIPELINE, serve_stage
+    from tools.stage import serve_stage
 
     stop = anyio.Event()
     async with anyio.create_task_group() as tg:
-        for name in PIPELINE:
+        for name in here:
             ready = anyio.Event()
-            if name == "engine":
-                from stages import engine as engine_stage
-
-                tg.start_soon(
-                    lambda r=ready: engine_stage.serve(
-                        config=config, stop=stop, ready=r, handle_signals=False, engine=engine
-                    )
+            tg.start_soon(
+                lambda n=name, r=ready: serve_stage(
+                    n, config=config, stop=stop, ready=r, handle_signals=False
                 )
-            else:
-                tg.start_soon(
-                    lambda n=name, r=ready: serve_stage(
-                        n, config=config, stop=stop, ready=r, handle_signals=False
-                    )
-                )
+            )
             await ready.wait()
-        progress("pipeline: stages up; sending requests")
+        progress(f"pipeline: stages up ({', '.join(here) or 'none'} in this process); sending")
         out = await through_pipeline(config, api_key, work, concurrency)
         stop.set()
     return out
 
 
-def _procs_side(server, config, api_key, work, concurrency, progress) -> dict:
-    """Every stage its own `brigade stage NAME` process, as compose runs them; this process is
-    only the client."""
-    import subprocess
-
+def _pipeline_side(server, config, api_key, work, concurrency, in_process, progress) -> dict:
+    """Every stage a `brigade stage NAME` process, as compose runs them; or, with --in-process,
+    the layout of `brigade up`: the engine and ledger as children, the rest in this process."""
     import anyio
 
-    from tools.stage import PIPELINE, command
-    from tools.up import _connected
+    from tools.stage import PIPELINE
+    from tools.stage_procs import StageProcesses
+    from tools.up import CHILD_STAGES
 
-    env = dict(os.environ, NATS_URL=server.url)
-    procs = []
+    own = tuple(n for n in PIPELINE if n in CHILD_STAGES or not in_process)
+    here = tuple(n for n in PIPELINE if n not in own)
+    children = StageProcesses(server.url, server.monitor_url)
     try:
-        for name in PIPELINE:
-            argv = [sys.executable, "-m", "tools.cli", *command(name)[1:], "--log-level", "WARNING"]
-            procs.append(subprocess.Popen(argv, env=env))
-            deadline = time.monotonic() + 300
-            while not _connected(server.monitor_url, name):
-                if procs[-1].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"stage {name} did not start (exit {procs[-1].poll()})")
-                time.sleep(0.1)
-        progress("pipeline: every stage up in its own process; sending requests")
+        for name in own:
+            children.start(name)
+            children.wait_up(name, 300)
         return anyio.run(
-            through_pipeline, config, api_key, work, concurrency,
+            _client_side, config, api_key, work, concurrency, here, progress,
             backend="asyncio", backend_options={"use_uvloop": True},
         )  # fmt: skip
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        children.stop(timeout_s=20)
 
 
 def run(args) -> int:
-    import anyio
 
     if args.quick:
         args.requests, args.concurrency, args.max_tokens = 8, 4, 8
@@ -255,15 +233,11 @@ def run(args) -> int:
             api_key = tenants.add_key("bench")
             config = BusConfig(servers=(server.url,))
             progress("pipeline: starting every stage on a private nats-server")
-            if args.in_process:
-                piped = anyio.run(
-                    _pipeline_side, config, api_key, work, args.concurrency, engine, progress,
-                    backend="asyncio", backend_options={"use_uvloop": True},
-                )  # fmt: skip
-            else:
-                del engine  # the engine stage loads its own, in its own process
-                gc.collect()
-                piped = _procs_side(server, config, api_key, work, args.concurrency, progress)
+            del engine  # the engine stage loads its own, in its own process
+            gc.collect()
+            piped = _pipeline_side(
+                server, config, api_key, work, args.concurrency, args.in_process, progress
+            )
         finally:
             natsd.stop(server)
     pipe = analyse(piped["seen"])
@@ -273,7 +247,10 @@ def run(args) -> int:
         "requests": args.requests,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
-        "layout": "one process" if args.in_process else "one process per stage",
+        "layout": "as `brigade up`: engine and ledger in their own processes, the other stages "
+        "in one with the client"
+        if args.in_process
+        else "one process per stage",
         "model": os.environ.get("BRIGADE_MODEL", "smollm2-135m"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"1-min load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run",

@@ -16,6 +16,8 @@ import sys
 PIPELINE = ("gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger")
 # Services beside the path, run when their module exists.
 EXTRAS = ("edge", "archiver")
+# Off the request's path: their whole process runs at BRIGADE_BACKGROUND_CPU_PRIORITY.
+BACKGROUND = ("ledger", "archiver")
 
 
 def available() -> tuple[str, ...]:
@@ -76,6 +78,10 @@ def run(args) -> int:
     )
     try:
         config = BusConfig.from_env(args.nats_url)
+        if args.name in BACKGROUND:  # before any thread starts: every later one inherits it
+            from stages.cpu_priority import BACKGROUND_ENV, CpuPriority, apply_to_current_thread
+
+            apply_to_current_thread(CpuPriority.from_env(BACKGROUND_ENV))
     except (RuntimeError, ValueError) as err:
         print(f"brigade stage {args.name}: {err}", file=sys.stderr)
         return 2

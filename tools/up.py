@@ -1,22 +1,34 @@
 """`brigade up`: a private NATS (unless NATS_URL), every stage, the dev tenant; Ctrl-C stops all.
 
-One process runs every stage as tasks by default; `--procs` runs one `brigade stage NAME`
-process per stage, exactly as compose does.
+By default the request path's light stages share this process as tasks, while the engine and
+the background recorders (ledger, archiver) run as `brigade stage NAME` children so that their
+CPU work neither holds this process's GIL nor outranks it; `--procs` runs every stage as a child.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
+from tools.stage_procs import StageProcesses
+
+# Run as child processes even without --procs: the engine's steps would hold this process's GIL,
+# and the recorders' file work is off the request's path (they run at low CPU priority).
+CHILD_STAGES = ("engine", "ledger", "archiver")
+CHILD_START_TIMEOUT_S = 600.0
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("up", help="run the whole pipeline (embedded NATS unless NATS_URL)")
-    p.add_argument("--procs", action="store_true", help="one process per stage (as compose)")
+    p.add_argument(
+        "--procs",
+        action="store_true",
+        help="one process per stage, as compose (default: the engine, ledger and archiver in "
+        "their own processes, the other stages in this one)",
+    )
     p.add_argument(
         "--nats-url", help="use this NATS (comma-separated cluster) instead of a private one"
     )
@@ -95,26 +107,38 @@ async def _wait_ready(progress: Progress, name: str, ready, what: str) -> None:
     progress.end(started)
 
 
-async def _serve_in_process(plan: Plan, config, progress: Progress) -> None:
+async def _serve_in_process(
+    plan: Plan, names: tuple[str, ...], config, progress: Progress, children: StageProcesses
+) -> int:
     import anyio
 
     from tools.stage import serve_stage
 
     stop = anyio.Event()
+    code = 0
     async with anyio.create_task_group() as tg:
         tg.start_soon(_stop_on_signals, stop)
-        for name in plan.stages:
+        for name in names:
             ready = anyio.Event()
             tg.start_soon(
                 lambda n=name, r=ready: serve_stage(
                     n, config=config, stop=stop, ready=r, handle_signals=False
                 )
             )
-            what = "engine: loading the model" if name == "engine" else f"starting {name}"
-            await _wait_ready(progress, name, ready, what)
+            await _wait_ready(progress, name, ready, f"starting {name}")
         _banner(plan)
-        await stop.wait()
-        print("\nstopping: finishing in-flight work ...", file=sys.stderr)
+        while not stop.is_set():
+            gone = children.exited()
+            if gone is not None:
+                print(f"stage {gone[0]} exited with code {gone[1]}", file=sys.stderr)
+                code = 1
+                break
+            with anyio.move_on_after(0.5):
+                await stop.wait()
+        else:
+            print("\nstopping: finishing in-flight work ...", file=sys.stderr)
+        stop.set()
+    return code
 
 
 async def _stop_on_signals(stop) -> None:
@@ -126,70 +150,87 @@ async def _stop_on_signals(stop) -> None:
             return
 
 
-def _connected(monitor_url: str | None, name: str) -> bool | None:
-    """Whether a client named brigade-<name> is connected (None: cannot tell)."""
-    import json
-    import urllib.request
-
-    if not monitor_url:
-        return None
-    try:
-        with urllib.request.urlopen(f"{monitor_url}/connz?limit=1024", timeout=2) as r:
-            conns = json.load(r).get("connections", [])
-    except OSError:
-        return None
-    return any(c.get("name") == f"brigade-{name}" for c in conns)
+def _start_children(
+    children: StageProcesses, names: tuple[str, ...], progress: Progress, stopping
+) -> int | None:
+    """Start `names` as child processes one after the other, each connected before the next;
+    an exit code when one failed or a signal came first."""
+    for name in names:
+        proc = children.start(name)
+        what = "engine: loading the model" if name == "engine" else f"starting {name}"
+        started = progress.begin(what)
+        try:
+            children.wait_up(
+                name, CHILD_START_TIMEOUT_S, lambda s=started: progress.tick(s), stopping
+            )
+        except RuntimeError as err:
+            progress.end(started, str(err))
+            return 1
+        progress.end(started, f"done, pid {proc.pid}")
+        if stopping():
+            return 130
+    return None
 
 
 def _serve_procs(plan: Plan, progress: Progress, log_level: str) -> int:
-    from tools.stage import command
-
-    env = dict(os.environ, NATS_URL=plan.url)
-    monitor = getattr(plan.server, "monitor_url", None)
-    procs: dict[str, subprocess.Popen] = {}
-    stopping = False
-
-    def on_signal(signum, frame) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    children = StageProcesses(plan.url, getattr(plan.server, "monitor_url", None), log_level)
+    stopping = _SignalFlag()
     try:
-        for name in plan.stages:
-            argv = [sys.executable, "-m", "tools.cli", *command(name)[1:], "--log-level", log_level]
-            procs[name] = subprocess.Popen(argv, env=env)
-            what = "engine: loading the model" if name == "engine" else f"starting {name}"
-            started = progress.begin(f"{what} (pid {procs[name].pid})")
-            while _connected(monitor, name) is False and not stopping:
-                if procs[name].poll() is not None:
-                    progress.end(started, f"exited with code {procs[name].returncode}")
-                    return 1
-                progress.tick(started)
-                time.sleep(0.2)
-            progress.end(started)
-            if stopping:
-                return 130
+        failed = _start_children(children, plan.stages, progress, stopping.is_set)
+        if failed is not None:
+            return failed
         _banner(plan)
-        while not stopping:
-            for name, proc in procs.items():
-                if proc.poll() is not None:
-                    print(f"stage {name} exited with code {proc.returncode}", file=sys.stderr)
-                    return 1
+        while not stopping.is_set():
+            gone = children.exited()
+            if gone is not None:
+                print(f"stage {gone[0]} exited with code {gone[1]}", file=sys.stderr)
+                return 1
             time.sleep(0.5)
         print("\nstopping: finishing in-flight work ...", file=sys.stderr)
         return 0
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        children.stop()
+
+
+def _serve_mixed(plan: Plan, config, progress: Progress, log_level: str) -> int:
+    """The engine and background stages as children, the rest as tasks of this process."""
+    import anyio
+
+    own = tuple(n for n in plan.stages if n in CHILD_STAGES)
+    here = tuple(n for n in plan.stages if n not in CHILD_STAGES)
+    children = StageProcesses(plan.url, getattr(plan.server, "monitor_url", None), log_level)
+    stopping = _SignalFlag()
+    try:
+        failed = _start_children(children, own, progress, stopping.is_set)
+        if failed is not None:
+            return failed
+        stopping.restore()  # from here the event loop owns SIGINT/SIGTERM
+        return anyio.run(
+            _serve_in_process, plan, here, config, progress, children,
+            backend="asyncio", backend_options={"use_uvloop": True},
+        )  # fmt: skip
+    finally:
+        children.stop()
+
+
+class _SignalFlag:
+    """SIGINT/SIGTERM set a flag while children start (their start-up is a blocking loop)."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+
+    def _on_signal(self, signum, frame) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _banner(plan: Plan) -> None:
@@ -249,11 +290,7 @@ def run(args) -> int:
         plan = Plan(stages=stages, url=url, server=server)
         if args.procs:
             return _serve_procs(plan, progress, args.log_level)
-        anyio.run(
-            _serve_in_process, plan, config, progress,
-            backend="asyncio", backend_options={"use_uvloop": True},
-        )  # fmt: skip
-        return 0
+        return _serve_mixed(plan, config, progress, args.log_level)
     finally:
         if server is not None:
             natsd.stop(server)

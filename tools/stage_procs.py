@@ -1,0 +1,92 @@
+"""Stages as child processes, each `brigade stage NAME` exactly as compose runs it.
+
+Each child gets its own process group, so a Ctrl-C in the terminal reaches only the parent,
+which then drains every child with one SIGTERM; on Linux a child also gets SIGTERM when its
+parent dies, even by SIGKILL, so none outlives `brigade up`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from stages.natsd import die_with_parent
+from tools.stage import command
+
+STOP_TIMEOUT_S = 15.0
+
+
+def connected(monitor_url: str | None, name: str) -> bool | None:
+    """Whether a client named brigade-<name> is connected (None: cannot tell)."""
+    if not monitor_url:
+        return None
+    try:
+        with urllib.request.urlopen(f"{monitor_url}/connz?limit=1024", timeout=2) as r:
+            conns = json.load(r).get("connections", [])
+    except OSError:
+        return None
+    return any(c.get("name") == f"brigade-{name}" for c in conns)
+
+
+class StageProcesses:
+    """Start, watch and stop stage processes on one NATS."""
+
+    def __init__(self, url: str, monitor_url: str | None, log_level: str = "WARNING") -> None:
+        self.env = dict(os.environ, NATS_URL=url)
+        self.monitor_url = monitor_url
+        self.log_level = log_level
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "tools.cli", *command(name)[1:]]
+        proc = subprocess.Popen(
+            [*argv, "--log-level", self.log_level],
+            env=self.env,
+            process_group=0,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
+        )
+        self.procs[name] = proc
+        return proc
+
+    def up(self, name: str) -> bool | None:
+        """Whether `name` consumes its input yet (None: no monitor to ask, assume so)."""
+        return connected(self.monitor_url, name)
+
+    def wait_up(self, name: str, timeout_s: float, tick=None, stopped=None) -> None:
+        """Block until `name` is connected (or `stopped()`); raise if it exits or takes longer
+        than `timeout_s`. `tick()` runs every 0.1 s while waiting (a progress line)."""
+        deadline = time.monotonic() + timeout_s
+        proc = self.procs[name]
+        while self.up(name) is False and not (stopped is not None and stopped()):
+            if proc.poll() is not None:
+                raise RuntimeError(f"stage {name} exited with code {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"stage {name} did not connect within {timeout_s:.0f} s")
+            if tick is not None:
+                tick()
+            time.sleep(0.1)
+
+    def exited(self) -> tuple[str, int] | None:
+        """The first child that has exited, with its code."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM every child (each drains its in-flight work), SIGKILL what outlives timeout_s."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
