@@ -111,6 +111,17 @@ def details(res: dict) -> list[str]:
     return lines
 
 
+def _transformers_note(res: dict) -> str:
+    shapes = res.get("transformers_shapes")
+    if shapes is None:
+        return "transformers did not run (--no-transformers, or not installed). "
+    return (
+        f"transformers fp32 generate ran the {' and '.join(shapes)} workload as padded batches "
+        "(left padding with an attention mask, each batch decoding its longest output; "
+        "--transformers-shapes picks the shapes). "
+    )
+
+
 def markdown(res: dict) -> str:
     q = res["quantization"] or "dense"
     lines = [
@@ -142,7 +153,9 @@ def markdown(res: dict) -> str:
         f"(ours and transformers') count only their own tokens; pad prompt positions hold token "
         f"id {PAD_TOKEN_ID}. Theory: E[max] / E[mean] of a batch's lengths is the row-steps "
         "(outputs) or prompt positions a padded batch computes per real one; in parentheses the "
-        "same ratio over the requests drawn. Wall seconds per part: "
+        "same ratio over the requests drawn. "
+        + _transformers_note(res)
+        + "Wall seconds per part: "
         + ", ".join(f"{k} {v}" for k, v in res["section_wall_s"].items())
         + ".",
         "",

@@ -60,6 +60,7 @@ RES = {
     "prefill_tok_per_s": {128: 1000.0},
     "single_decode_tok_per_s": 80.0,
     "transformers_fp32_decode_tok_per_s": 16.0,
+    "transformers_shapes": ["uniform"],
     "workloads": {
         "uniform": shape(90.0, 45.0, 60.0, 1.69),
         "log-uniform": shape(120.0, 40.0, 80.0, 2.25),
@@ -94,3 +95,13 @@ def test_shapes_side_by_side_with_ratios_theory_and_transformers():
     ]:
         assert expected in lines, expected
     assert not any(line.startswith("| log-uniform | transformers") for line in lines)
+    assert "transformers fp32 generate ran the uniform workload as padded batches" in lines[-1]
+
+
+def test_a_run_without_transformers_says_so():
+    res = {k: v for k, v in RES.items() if not k.startswith("transformers")}
+    res["workloads"] = {"uniform": {**RES["workloads"]["uniform"], "transformers_fp32": {}}}
+    text = markdown(res)
+    assert "transformers did not run (--no-transformers, or not installed)" in text
+    assert "transformers fp32 generate (padded batches)" not in text
+    assert "| aggregate tok/s (generated tokens / wall time) | uniform |" in text
