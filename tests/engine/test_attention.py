@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, paged_attend, prepare_attention
+from kernels import cpu_attention
 
 BLOCK_SIZE = 4
 
@@ -29,25 +30,34 @@ def test_metadata_rejects_inconsistent_lengths():
         metadata([4], [3], [[0]], [0, 1, 2, 3])
 
 
-def test_paged_attend_writes_slots_and_matches_dense_attention():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attend_writes_slots_and_matches_dense_attention(dtype):
+    """fp32 runs torch's SDPA; bf16 sends the decode row to the compiled CPU kernel (when a
+    compiler is found) and the prefill rows to SDPA, in one step."""
     torch.manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
-    k_cache = torch.zeros(6, BLOCK_SIZE, kv_heads, dim)
+    k_cache = torch.zeros(6, BLOCK_SIZE, kv_heads, dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     # seq A: 5 tokens already cached in blocks 3, 1; one new token at position 5 (block 1)
     # seq B: a fresh 3-token prompt in block 4
     ctx_k, ctx_v = torch.randn(5, kv_heads, dim), torch.randn(5, kv_heads, dim)
+    ctx_k, ctx_v = ctx_k.to(dtype).float(), ctx_v.to(dtype).float()
     for p in range(5):
         block = [3, 1][p // BLOCK_SIZE]
         k_cache[block, p % BLOCK_SIZE], v_cache[block, p % BLOCK_SIZE] = ctx_k[p], ctx_v[p]
-    q = torch.randn(4, heads, dim)
-    k, v = torch.randn(4, kv_heads, dim), torch.randn(4, kv_heads, dim)
+    q = torch.randn(4, heads, dim).to(dtype)
+    k, v = torch.randn(4, kv_heads, dim).to(dtype), torch.randn(4, kv_heads, dim).to(dtype)
     slots = [1 * BLOCK_SIZE + 1, 4 * BLOCK_SIZE + 0, 4 * BLOCK_SIZE + 1, 4 * BLOCK_SIZE + 2]
     attn = metadata([1, 3], [6, 3], [[3, 1], [4, -1]], slots)
-    out = paged_attend(q, k, v, (k_cache, v_cache), prepare_attention(attn, q.device), dim**-0.5)
+    plan = prepare_attention(attn, q.device, dtype)
+    assert (plan.reference.kernel is not None) == (
+        dtype == torch.bfloat16 and cpu_attention.available()
+    )
+    out = paged_attend(q, k, v, (k_cache, v_cache), plan, dim**-0.5).float()
 
     assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[4, 2], v[3])
-    assert torch.equal(k_cache[0], torch.zeros(BLOCK_SIZE, kv_heads, dim))  # untouched
+    assert torch.equal(k_cache[0], torch.zeros(BLOCK_SIZE, kv_heads, dim, dtype=dtype))
+    q, k, v = q.float(), k.float(), v.float()
 
     def dense(qs, ks, vs):  # qs [ql, H, D] are the last ql positions of ks/vs [sl, KVH, D]
         ks, vs = ks.repeat_interleave(2, 1), vs.repeat_interleave(2, 1)
@@ -58,4 +68,5 @@ def test_paged_attend_writes_slots_and_matches_dense_attention():
 
     expected_a = dense(q[:1], torch.cat([ctx_k, k[:1]]), torch.cat([ctx_v, v[:1]]))
     expected_b = dense(q[1:], k[1:], v[1:])
-    torch.testing.assert_close(out, torch.cat([expected_a, expected_b]), atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, torch.cat([expected_a, expected_b]), atol=tol, rtol=tol)
