@@ -74,7 +74,7 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel library, built on first use; None when it cannot be had here."""
+    """The kernel library, built on first use; None when it cannot be had here (never raises)."""
     if os.environ.get("BRIGADE_CPU_KERNEL", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -84,18 +84,19 @@ def load() -> ctypes.CDLL | None:
     source = SOURCE.read_bytes()
     errors = []
     for flags in FLAG_SETS:
-        key = hashlib.sha256(
-            b"\0".join(
-                [source, " ".join(flags).encode(), compiler.encode(), _cpu_signature().encode()]
-            )
-        ).hexdigest()[:16]
+        parts = [source, " ".join(flags).encode(), compiler.encode(), _cpu_signature().encode()]
+        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
         target = cache_dir() / f"cpu_decode_attention-{key}.so"
-        if not target.exists():
-            err = _build(compiler, flags, target)
-            if err is not None:
-                errors.append(f"{' '.join(flags)}: {err}")
-                continue
-        lib = ctypes.CDLL(str(target))
+        try:
+            if not target.exists():
+                err = _build(compiler, flags, target)
+                if err is not None:
+                    errors.append(f"{' '.join(flags)}: {err}")
+                    continue
+            lib = ctypes.CDLL(str(target))
+        except (OSError, subprocess.SubprocessError) as err:  # unwritable cache, odd compiler
+            errors.append(f"{' '.join(flags)}: {err}")
+            continue
         fn = lib.paged_decode_attention_bf16
         fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
         return lib

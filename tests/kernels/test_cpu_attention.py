@@ -131,3 +131,17 @@ def test_without_a_compiler_load_returns_none(monkeypatch, tmp_path, caplog):
         monkeypatch.undo()
         cpu_attention.load.cache_clear()
     assert cpu_attention.available()
+
+
+def test_an_unwritable_cache_falls_back_instead_of_failing(monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the cache directory cannot be made
+    cpu_attention.load.cache_clear()
+    try:
+        assert cpu_attention.load() is None
+        assert "could not build the CPU decode-attention kernel" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cpu_attention.load.cache_clear()
+    assert cpu_attention.available()
