@@ -344,6 +344,9 @@ class EngineStage:
             run.output_ids.extend(out.new_token_ids)
             run.num_tokens_through.append(len(run.output_ids))
             run.pending.append((event, await self.bus.publish_async(event)))
+            # Let nats-py's flusher write it now: ts_ns was stamped just before, and otherwise
+            # every event of this step would wait for the last one to be prepared.
+            await anyio.sleep(0)
         if out.finished:
             del self.runs[rid]
             tg.start_soon(self._finish, run, out.finish_reason, run.num_prompt, out.seed)

@@ -28,9 +28,11 @@ Requests whose `cancel` event was seen are skipped (acked, nothing published) un
 sets `skip_cancelled=False` (the ledger). Late events for unknown or finished requests reach
 `handle` like any other; handlers must tolerate them.
 
-A stage that publishes many events per input over time (the engine) uses the parts directly:
-`StageWorker.fetch`, `.decode`, `.complete` / `.fail`, `ctx.bus.publish_async` for pipelined
-deltas, and `ctx.cancels.on_cancel(callback)` to abort work.
+`run` takes each message the moment it arrives (stages/pull.py: an open pull request topped up
+to `max_in_flight`). A stage that publishes many events per input over time (the engine) uses
+the parts directly: `StageWorker.fetch` (a batch of at most what it can admit now), `.decode`,
+`.complete` / `.fail`, `ctx.bus.publish_async` for pipelined deltas, and
+`ctx.cancels.on_cancel(callback)` to abort work.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from schemas.events import Event, RequestFailed, encode
 from stages.bus import Bus, BusConfig, ConsumerSpec
 from stages.cancels import CancelledRequests
 from stages.failures import StageError, error_field, new_request_id, read_envelope
+from stages.pull import ContinuousPull
 
 log = logging.getLogger("brigade.runtime")
 
@@ -341,18 +344,22 @@ class StageWorker:
         await self.start()
         if ready is not None:
             ready.set()
-        limit = anyio.Semaphore(self.spec.max_in_flight)
+        consumer = self.spec.consumer()
         async with anyio.create_task_group() as side:
             side.start_soon(self._keep_alive)
             async with anyio.create_task_group() as work:
-                while not stop.is_set():
-                    await limit.acquire()
-                    free = limit.value + 1
-                    msgs = await self.fetch(free)
-                    limit.release()
-                    for msg in msgs:
-                        await limit.acquire()
-                        work.start_soon(self._run_one, msg, limit)
+                pull = ContinuousPull(
+                    self.bus.nc,
+                    consumer.stream,
+                    consumer.durable,
+                    lambda msg: work.start_soon(self._run_one, msg, pull),
+                    capacity=self.spec.max_in_flight,
+                )
+                await pull.start()
+                try:
+                    await pull.run(stop, self.fetch_timeout_s)
+                finally:
+                    await pull.stop()  # in-flight messages finish before the group exits
             side.cancel_scope.cancel()
         await self.close()
 
@@ -365,11 +372,11 @@ class StageWorker:
         if self.spec.teardown is not None:
             await self.spec.teardown(self.state)
 
-    async def _run_one(self, msg: Msg, limit: anyio.Semaphore) -> None:
+    async def _run_one(self, msg: Msg, pull: ContinuousPull) -> None:
         try:
             await self._track(msg)
         finally:
-            limit.release()
+            pull.done()
 
 
 async def serve(

@@ -23,6 +23,7 @@ class Seen:
 
     sent_ns: int = 0
     events: list = field(default_factory=list)  # (received_ns, event)
+    raw: list = field(default_factory=list)  # (received_ns, bytes) until decoded
     done: object = None
 
 
