@@ -68,35 +68,36 @@ def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
     """Keep the smallest set of most likely tokens whose probability mass reaches `top_p[i]`.
 
     A token stays when the mass of the tokens ranked before it is below p (equal probabilities,
-    common with bf16 logits, rank the lower token id first). Sorting the
-    whole vocabulary costs ~20x the rest of the sampler, so each row first finds, from a
-    histogram of its probabilities over 2048 monotone buckets (the float's exponent and top 3
-    mantissa bits), the lowest bucket above which the mass still reaches p. Every token below
-    it is more unlikely than tokens holding p of the mass, so only that bucket and those above
-    are sorted: exact, and a few hundred candidates instead of 49k for most rows.
+    common with bf16 logits, rank the lower token id first). Sorting the whole vocabulary costs
+    ~20x the rest of the sampler, so each row first sums its probabilities into 2048 monotone
+    buckets (the float's exponent and top 3 mantissa bits) and finds the boundary bucket: the
+    lowest one at and above which the mass still reaches p. Every token above it stays (the mass
+    ranked before it is below p), every token below it goes, and only the boundary bucket's
+    tokens, a few hundred at most, are sorted to find where p is reached: exact.
     """
     n, vocab = logits.shape
     dev = logits.device
     probs = logits.softmax(dim=-1)  # [n, vocab]
-    buckets = probs.view(torch.int32) >> BUCKET_SHIFT  # [n, vocab], monotone in probs
-    hist = torch.zeros(n, 1 << (31 - BUCKET_SHIFT), device=dev)
-    hist.scatter_add_(1, buckets.long(), probs)  # [n, 2048] mass per bucket
+    buckets = (probs.view(torch.int32) >> BUCKET_SHIFT).long()  # [n, vocab], monotone in probs
+    hist = torch.zeros(n, (1 << (31 - BUCKET_SHIFT)) + 1, dtype=torch.float64, device=dev)
+    hist.scatter_add_(1, buckets, probs.double())  # [n, 2049] mass per bucket; last column 0
     above = hist.flip(1).cumsum(1).flip(1)  # mass in bucket b and higher
+    p = top_p.double()
     # the highest bucket whose mass-at-or-above reaches p (>= 0 even if rounding leaves the
     # total just under p)
-    lowest = ((above >= top_p[:, None]).sum(1) - 1).clamp_min(0)  # [n]
-    cand = buckets >= lowest[:, None]  # [n, vocab]
-    rows, cols = cand.nonzero(as_tuple=True)  # [c] each, row-major
-    vals = probs[rows, cols]  # [c]
+    boundary = ((above[:, :-1] >= p[:, None]).sum(1) - 1).clamp_min(0)  # [n]
+    mass_above = above.gather(1, (boundary + 1)[:, None]).squeeze(1)  # [n] strictly above it
+    keep = buckets > boundary[:, None]  # [n, vocab]
+    rows, cols = (buckets == boundary[:, None]).nonzero(as_tuple=True)  # [c] each, row-major
+    vals = probs[rows, cols].double()  # [c]
     order = torch.sort(vals, descending=True, stable=True).indices
     order = order[torch.sort(rows[order], stable=True).indices]  # by row, then most likely
     rows, cols, vals = rows[order], cols[order], vals[order]
-    cum = vals.double().cumsum(0)  # [c] running mass over all rows' candidates
-    counts = torch.bincount(rows, minlength=n)  # [n] candidates per row
-    starts = counts.cumsum(0) - counts  # [n] first candidate of each row
-    before = cum - vals.double() - (cum - vals.double())[starts][rows]  # mass more likely
-    kept = before < top_p.double()[rows]  # the top token always stays (before == 0)
-    keep = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+    cum = vals.cumsum(0)  # [c] running mass over all rows' boundary tokens
+    counts = torch.bincount(rows, minlength=n)  # [n] boundary tokens per row
+    starts = counts.cumsum(0) - counts  # [n] first boundary token of each row
+    before = mass_above[rows] + (cum - vals) - (cum - vals)[starts][rows]  # mass ranked before
+    kept = before < p[rows]  # the top token always stays (nothing is ranked before it)
     keep[rows[kept], cols[kept]] = True
     return logits.masked_fill(~keep, float("-inf"))
 

@@ -137,3 +137,16 @@ def test_top_p_bucketed_candidates_match_a_full_sort():
     assert torch.equal(~torch.isinf(out), expected)
     assert expected.sum(1).tolist() == [int(k) for k in (~torch.isinf(out)).sum(1)]
     assert expected[0].sum() < 50 < 1000 < expected[1].sum()  # peaked vs flat rows
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_top_p_matches_a_full_sort_with_bf16_ties(seed):
+    """bf16 logits tie often; ties rank the lower id first, in and around the boundary bucket."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([6.0, 0.2, 1.5, 3.0, 0.05, 1.0, 10.0, 0.7])[:, None]
+    logits = (torch.randn(8, 20000, generator=gen) * scale).bfloat16().float()
+    p = torch.rand(8, generator=gen) * 0.98 + 0.01
+    probs, ids = logits.softmax(-1).sort(dim=-1, descending=True, stable=True)
+    keep_sorted = (probs.double().cumsum(-1) - probs.double()) < p.double()[:, None]
+    expected = torch.zeros_like(keep_sorted).scatter_(1, ids, keep_sorted)
+    assert torch.equal(~torch.isinf(apply_top_p(logits, p)), expected)
