@@ -72,34 +72,45 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
             os.unlink(tmp)
 
 
+def build(compiler: str, flags: tuple[str, ...], errors: list[str]) -> ctypes.CDLL | None:
+    """Build (or find in the cache) and load the kernel with these flags; a failure is appended
+    to `errors`."""
+    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode()]
+    key = hashlib.sha256(b"\0".join([*parts, _cpu_signature().encode()])).hexdigest()[:16]
+    target = cache_dir() / f"cpu_decode_attention-{key}.so"
+    try:
+        if not target.exists():
+            err = _build(compiler, flags, target)
+            if err is not None:
+                errors.append(f"{' '.join(flags)}: {err}")
+                return None
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as err:  # unwritable cache, odd compiler
+        errors.append(f"{' '.join(flags)}: {err}")
+        return None
+    fn = lib.paged_decode_attention_bf16
+    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return lib
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first use; None when it cannot be had here (never raises)."""
     if os.environ.get("BRIGADE_CPU_KERNEL", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         log.warning("no C compiler (cc/gcc, or $CC): CPU decode attention uses the torch path")
         return None
-    source = SOURCE.read_bytes()
-    errors = []
+    errors: list[str] = []
     for flags in FLAG_SETS:
-        parts = [source, " ".join(flags).encode(), compiler.encode(), _cpu_signature().encode()]
-        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-        target = cache_dir() / f"cpu_decode_attention-{key}.so"
-        try:
-            if not target.exists():
-                err = _build(compiler, flags, target)
-                if err is not None:
-                    errors.append(f"{' '.join(flags)}: {err}")
-                    continue
-            lib = ctypes.CDLL(str(target))
-        except (OSError, subprocess.SubprocessError) as err:  # unwritable cache, odd compiler
-            errors.append(f"{' '.join(flags)}: {err}")
-            continue
-        fn = lib.paged_decode_attention_bf16
-        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-        return lib
+        lib = build(cc, flags, errors)
+        if lib is not None:
+            return lib
     log.warning(
         "could not build the CPU decode-attention kernel; using the torch path:\n%s",
         "\n".join(errors),
@@ -121,8 +132,9 @@ def paged_decode_attention(
     seq_lens: Tensor,  # [n] int32: keys each decode attends (>= 1)
     scale: float,
     out: Tensor,  # [T, H, D] bf16, contiguous; only the decode rows are written
+    lib: ctypes.CDLL | None = None,  # default: load()
 ) -> None:
-    lib = load()
+    lib = lib or load()
     if lib is None:
         raise RuntimeError("the CPU decode-attention kernel is not available (see the log)")
     num_heads, head_dim = q.shape[1:]

@@ -4,7 +4,8 @@
  * Work items are (sequence, KV head) pairs, shared by the OpenMP threads. Each item loads the
  * GQA group's queries once, scores every cached key (pass 1, over K), then accumulates V with
  * the softmax weights (pass 2, over V): each key and value row is read exactly once. All maths is
- * fp32; the result is rounded to the cache dtype once. An item's result depends only on its own
+ * fp32 (with AVX512-BF16, the scores' bf16 products come from vdpbf16ps); the result is rounded to
+ * the cache dtype once. An item's result depends only on its own
  * sequence, so a sequence's output is the same whatever else shares the step.
  *
  * Layouts (row-major, strides in elements; bf16 stored as uint16):
@@ -18,6 +19,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #define MAX_GROUP 16   /* query heads per KV head */
 #define MAX_HEAD_DIM 256
@@ -35,6 +39,18 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* The block after the one at t0 is elsewhere in the pool: start fetching its rows of this head
+ * (two cache lines each at D = 64 bf16) while the current block is computed. */
+static inline void prefetch_block(const uint16_t *cache, const int32_t *table, int t0,
+                                  int block_size, int64_t block_stride, int64_t token_stride,
+                                  int D) {
+    const uint16_t *next = cache + table[t0 / block_size + 1] * block_stride;
+    for (int t = 0; t < block_size; ++t) {
+        __builtin_prefetch(next + t * token_stride);
+        __builtin_prefetch(next + t * token_stride + D - 1);
+    }
+}
+
 /* One (sequence, KV head) item. Inlined with constant D and G for the common shapes, so the
  * row, the queries and the accumulators live in vector registers. */
 static inline __attribute__((always_inline)) void attend(
@@ -46,9 +62,37 @@ static inline __attribute__((always_inline)) void attend(
         for (int d = 0; d < D; ++d) qf[g][d] = bf16_to_f32(qrow[g * D + d]) * scale;
         max_score[g] = -FLT_MAX;
     }
+#if defined(__AVX512BF16__)
+    if (D == 64) { /* bf16 pair dot products straight from the cache, no conversion */
+        __m512bh qv[G][2];
+        for (int g = 0; g < G; ++g)
+            for (int c = 0; c < 2; ++c)
+                qv[g][c] = (__m512bh)_mm512_loadu_si512((const void *)(qrow + g * 64 + c * 32));
+        for (int t0 = 0; t0 < len; t0 += block_size) {
+            const uint16_t *kb = k_cache + table[t0 / block_size] * block_stride;
+            const int m = len - t0 < block_size ? len - t0 : block_size;
+            if (t0 + block_size < len)
+                prefetch_block(k_cache, table, t0, block_size, block_stride, token_stride, D);
+            for (int t = 0; t < m; ++t) {
+                const uint16_t *krow = kb + t * token_stride;
+                const __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)krow);
+                const __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void *)(krow + 32));
+                for (int g = 0; g < G; ++g) {
+                    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0);
+                    acc = _mm512_dpbf16_ps(acc, qv[g][1], k1);
+                    const float s = _mm512_reduce_add_ps(acc) * scale;
+                    scores[(int64_t)g * len + t0 + t] = s;
+                    if (s > max_score[g]) max_score[g] = s;
+                }
+            }
+        }
+    } else
+#endif
     for (int t0 = 0; t0 < len; t0 += block_size) { /* pass 1: scores, over K */
         const uint16_t *kb = k_cache + table[t0 / block_size] * block_stride;
         const int m = len - t0 < block_size ? len - t0 : block_size;
+        if (t0 + block_size < len)
+            prefetch_block(k_cache, table, t0, block_size, block_stride, token_stride, D);
         for (int t = 0; t < m; ++t) {
             const uint16_t *krow = kb + t * token_stride;
             #pragma omp simd
@@ -76,6 +120,8 @@ static inline __attribute__((always_inline)) void attend(
     for (int t0 = 0; t0 < len; t0 += block_size) { /* pass 2: weighted sum, over V */
         const uint16_t *vb = v_cache + table[t0 / block_size] * block_stride;
         const int m = len - t0 < block_size ? len - t0 : block_size;
+        if (t0 + block_size < len)
+            prefetch_block(v_cache, table, t0, block_size, block_stride, token_stride, D);
         for (int t = 0; t < m; ++t) {
             const uint16_t *vrow = vb + t * token_stride;
             #pragma omp simd
