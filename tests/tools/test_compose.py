@@ -74,3 +74,16 @@ def test_the_bus_reads_the_replicas_of_the_cluster_profile(monkeypatch):
     config = BusConfig.from_env(urls)
     assert config.replicas == 3
     assert config.servers == tuple(urls.split(","))
+
+
+def test_the_engine_and_background_stages_get_a_low_cpu_weight(compose):
+    # Thread priorities stop at a container's cgroup: the weight ranks the containers.
+    from tools.up import CHILD_STAGES
+
+    services = compose["services"]
+    for name in stage.available():
+        shares = services[name].get("cpu_shares")
+        if name in CHILD_STAGES:
+            assert shares == 64, f"{name} runs at the default CPU weight"
+        else:
+            assert shares is None, f"{name} is on the request's path: default weight (1024)"
