@@ -24,9 +24,17 @@ STREAM = "HOPBENCH"
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("hops", help="latency floor of N Python relays on NATS, no stages")
-    p.add_argument("--relays", type=int, default=5, help="relay processes (hops = relays + 1)")
+    p.add_argument(
+        "--relays", type=int, default=5, help="relay processes (hops = relays + 1; 0: one hop)"
+    )
     p.add_argument("--inflight", type=int, nargs="+", default=[1, 20], help="burst sizes")
     p.add_argument("--messages", type=int, default=400, help="messages per burst size")
+    p.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="publish each JetStream burst without waiting for each ack (as the engine "
+        "publishes a step's tokens events), not one acknowledged publish after another",
+    )
     p.add_argument("--out", type=Path, default=Path(".brigade/bench"), help="output directory")
     p.set_defaults(func=run)
 
@@ -63,7 +71,9 @@ async def relay(url: str, index: int, mode: str) -> None:
     await asyncio.Event().wait()
 
 
-async def measure(url: str, relays: int, mode: str, inflight: int, messages: int) -> list[float]:
+async def measure(
+    url: str, relays: int, mode: str, inflight: int, messages: int, pipelined: bool = False
+) -> list[float]:
     """Per message: ms from the client's publish into hop.0 to its receipt from hop.<relays>."""
     import nats
 
@@ -91,8 +101,15 @@ async def measure(url: str, relays: int, mode: str, inflight: int, messages: int
         await arrived.get()
     latencies.clear()
     for _ in range(max(1, messages // inflight)):
-        for _ in range(inflight):  # a burst, as concurrent requests start together
-            await send()
+        if pipelined and mode == "jetstream":  # every publish out before any ack comes back
+            acks = [
+                await js.publish_async("hop.0", str(time.perf_counter_ns()).encode())
+                for _ in range(inflight)
+            ]
+            await asyncio.gather(*acks)
+        else:
+            for _ in range(inflight):  # a burst, as concurrent requests start together
+                await send()
         for _ in range(inflight):
             await arrived.get()
         await asyncio.sleep(0.02)
@@ -105,7 +122,9 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_chain(url: str, relays: int, mode: str, inflights: list[int], messages: int) -> dict:
+def run_chain(
+    url: str, relays: int, mode: str, inflights: list[int], messages: int, pipelined: bool
+) -> dict:
     import uvloop
 
     procs = [
@@ -122,7 +141,7 @@ def run_chain(url: str, relays: int, mode: str, inflights: list[int], messages: 
                 raise RuntimeError(f"a relay process failed to start (exit {p.poll()})")
         result = {}
         for inflight in inflights:
-            lat = uvloop.run(measure(url, relays, mode, inflight, messages))
+            lat = uvloop.run(measure(url, relays, mode, inflight, messages, pipelined))
             result[str(inflight)] = {
                 "messages": len(lat),
                 "p50_ms": round(pct(lat, 0.5), 3),
@@ -143,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
 
     from stages import natsd
 
-    if args.relays < 1 or min(args.inflight) < 1 or args.messages < 1:
-        print("--relays, --inflight and --messages must be >= 1", file=sys.stderr)
+    if args.relays < 0 or min(args.inflight) < 1 or args.messages < 1:
+        print("--relays must be >= 0, --inflight and --messages >= 1", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="brigade-hops-") as tmp:
         server = natsd.start(Path(tmp))
@@ -159,9 +178,12 @@ def run(args: argparse.Namespace) -> int:
             res = {
                 "hops": args.relays + 1,
                 "relays": args.relays,
+                "pipelined": args.pipelined,
                 "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
                 "modes": {
-                    mode: run_chain(server.url, args.relays, mode, args.inflight, args.messages)
+                    mode: run_chain(
+                        server.url, args.relays, mode, args.inflight, args.messages, args.pipelined
+                    )
                     for mode in ("jetstream", "core")
                 },
             }
@@ -178,8 +200,9 @@ def run(args: argparse.Namespace) -> int:
 
 def markdown(res: dict) -> str:
     lines = [
-        f"{res['relays']} relay processes, {res['hops']} hops, no stage code; load average at "
-        f"start {res['load_average_at_start']}",
+        f"{res['relays']} relay processes, {res['hops']} hops, no stage code"
+        + ("; JetStream bursts published pipelined" if res.get("pipelined") else "")
+        + f"; load average at start {res['load_average_at_start']}",
         "",
         "| transport | in flight (burst) | messages | P50 ms | P95 ms |",
         "|---|---:|---:|---:|---:|",

@@ -44,5 +44,15 @@ def test_a_two_relay_chain_reports_every_transport_and_burst(tmp_path: Path):
 
 
 def test_bad_arguments_are_refused(tmp_path: Path, capsys):
-    assert main(["bench", "hops", "--relays", "0", "--out", str(tmp_path)]) == 2
-    assert "--relays, --inflight and --messages must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "hops", "--relays", "-1", "--out", str(tmp_path)]) == 2
+    assert "--relays must be >= 0, --inflight and --messages >= 1" in capsys.readouterr().err
+
+
+def test_one_hop_with_pipelined_bursts(tmp_path: Path):
+    out = tmp_path / "bench"
+    argv = ["bench", "hops", "--relays", "0", "--inflight", "5", "--messages", "10"]
+    assert main([*argv, "--pipelined", "--out", str(out)]) == 0
+    res = json.loads((out / "hops.json").read_text())
+    assert res["hops"] == 1 and res["pipelined"] is True
+    assert res["modes"]["jetstream"]["5"]["messages"] == 10
+    assert "JetStream bursts published pipelined" in (out / "hops.md").read_text()
