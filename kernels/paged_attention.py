@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.cpu_attention import paged_decode_attention
+
 try:
     import triton
     import triton.language as tl
@@ -321,14 +323,13 @@ def paged_attention_reference(
     plan: ReferencePlan,
     scale: float,
 ) -> Tensor:
-    """Gather only the blocks each sequence uses; decodes batched, prefills one by one."""
+    """Decodes through the compiled CPU kernel when the plan holds them, else gathered and
+    batched; prefills one by one, gathering only the blocks each uses."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k.shape[1]
     group_size = num_heads // num_kv_heads
     out = None
     if plan.kernel is not None:
-        from kernels.cpu_attention import paged_decode_attention
-
         kd = plan.kernel
         out = q.new_empty(q.shape)
         paged_decode_attention(
