@@ -140,8 +140,11 @@ class Archiver:
             or time.monotonic() - self._first_at >= self.config.max_age_s
         )
 
-    async def flush(self) -> None:
-        """Write buffered rows durably, checkpoint, then ack everything delivered so far."""
+    async def flush(self, *, confirm: bool = False) -> None:
+        """Write buffered rows durably, checkpoint, then ack everything delivered so far.
+
+        `confirm` waits for the server to record the ack (the last flush before stopping, so a
+        restart finds the durable's ack floor at the checkpoint and reuses it)."""
         if self._rows:
             rows, self._rows = self._rows, []
             files = await anyio.to_thread.run_sync(self.log.write, rows)
@@ -152,7 +155,8 @@ class Archiver:
             self.stats.num_files += len(files)
         if self._to_ack is not None:
             msg, self._to_ack = self._to_ack, None
-            await msg.ack()  # AckPolicy.ALL: acknowledges every earlier delivery too
+            # AckPolicy.ALL: acknowledges every earlier delivery too
+            await (msg.ack_sync() if confirm else msg.ack())
 
     async def run(self, stop: anyio.Event, ready: anyio.Event | None = None) -> None:
         await self.start()
@@ -168,7 +172,7 @@ class Archiver:
                 self.accept(msg)
             if self.due() or (not self._rows and self._to_ack is not None):
                 await self.flush()
-        await self.flush()
+        await self.flush(confirm=True)
         await self._sub.unsubscribe()  # a pending pull would hold the connection's drain
         await self.bus.nc.flush()
         self.log.close()

@@ -43,7 +43,7 @@ async def test_at_most_capacity_messages_are_out_and_each_comes_once_in_order(bu
         assert [m.data for m in got] == [b"0", b"1", b"2", b"3"]
         assert pull.num_active == 4
         for msg in got[:2]:  # two done: room for two more, asked in one request
-            await msg.ack()
+            await msg.ack_sync()
             pull.done()
         with anyio.fail_after(5):
             while len(got) < 6:
@@ -51,19 +51,19 @@ async def test_at_most_capacity_messages_are_out_and_each_comes_once_in_order(bu
         await anyio.sleep(0.2)
         assert len(got) == 6
         for msg in got[2:]:
-            await msg.ack()
+            await msg.ack_sync()
             pull.done()
         with anyio.fail_after(5):
             while len(got) < 10:
                 await anyio.sleep(0.01)
         for msg in got[6:]:
-            await msg.ack()
+            await msg.ack_sync()
             pull.done()
         stop.set()
     await pull.stop()
     assert [m.data for m in got] == [str(i).encode() for i in range(10)]
     assert pull.num_active == 0
-    info = await bus.js.consumer_info(STREAM, "cap")
+    info = await bus.js.consumer_info(STREAM, "cap")  # ack_sync: every ack is recorded by now
     assert (info.num_pending, info.num_ack_pending, info.num_redelivered) == (0, 0, 0)
     await bus.close()
 
@@ -94,7 +94,7 @@ async def test_an_expired_request_is_renewed_and_the_next_message_comes_at_once(
         pull.done()
     await pull.stop()
     assert arrived[0][1] == b"late"
-    assert arrived[0][0] - sent < 0.15  # not a whole check interval (5 s) late
+    assert arrived[0][0] - sent < 1.0  # not a whole check interval (5 s) late
     await bus.close()
 
 
