@@ -6,7 +6,7 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 BRIGADE_DATA_DIR=/data
 
 WORKDIR /app
-# gcc builds the CPU decode-attention kernel (kernels/cpu_attention.py) on first use
+# gcc builds the CPU paged-attention kernel (kernels/cpu_attention.py) on first use
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install --index-url "$TORCH_INDEX" 'torch==2.13.0'

@@ -1,8 +1,8 @@
 """AttentionMetadata (built by the engine core each step) and the paged-attention dispatch.
 
 `prepare_attention` turns the metadata into a per-step plan once; every layer then calls
-`paged_attend`: the Triton kernel on CUDA; on the CPU the compiled decode kernel
-(kernels/cpu_attention.py) for bf16 single-token rows and the pure-torch reference for the rest.
+`paged_attend`: the Triton kernel on CUDA; on the CPU the compiled kernel
+(kernels/cpu_attention.py) for every bf16 token and the pure-torch reference for the rest.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class AttentionPlan:
 def prepare_attention(
     attn: AttentionMetadata, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> AttentionPlan:
-    """dtype: the model's; bf16 decodes on the CPU go to the compiled kernel when it builds
-    (fp32 keeps torch's SDPA, the kernel transformers runs, for exact parity with it)."""
+    """dtype: the model's; in bf16 on the CPU every token goes to the compiled kernel when it
+    builds (fp32 keeps torch's SDPA, the kernel transformers runs, for exact parity with it)."""
     block_tables = attn.block_tables.to(device, non_blocking=True)
     slots = attn.slot_mapping.to(device, torch.int64, non_blocking=True)
     if device.type == "cuda":
@@ -69,7 +69,11 @@ def prepare_attention(
         return AttentionPlan(None, seq_idx, ctx_len, block_tables, slots)
     kernel = dtype == torch.bfloat16 and cpu_attention.available()
     ref = build_reference_plan(
-        block_tables, attn.query_lens_cpu, attn.seq_lens_cpu, attn.block_size, decode_kernel=kernel
+        block_tables,
+        attn.query_lens_cpu,
+        attn.seq_lens_cpu,
+        attn.block_size,
+        kernel=kernel,
     )
     return AttentionPlan(ref, None, None, block_tables, slots)
 

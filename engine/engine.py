@@ -38,6 +38,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None -> the model's context length
     # weights: "auto" (int4 weight-only for bf16 on the CPU, else dense), None, "int8", "int4"
     quantization: str | None = "auto"
+    # bit-identical logits for a token whatever shares its step (bf16 on the CPU; see loader)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,7 +81,11 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.model, self.model_config = load_model(
-            config.model, dtype=self.dtype, device=self.device, quantization=config.quantization
+            config.model,
+            dtype=self.dtype,
+            device=self.device,
+            quantization=config.quantization,
+            batch_invariant=config.batch_invariant,
         )
         self.tokenizer = load_tokenizer(config.model)
         limit = self.model_config.max_position_embeddings

@@ -19,6 +19,7 @@ from engine.config import ModelConfig
 from engine.model import LlamaForCausalLM
 from engine.quant import QUANTIZATIONS, Quantization
 from engine.weights import model_format, read_gguf_header, resolve_model
+from kernels import cpu_attention
 
 QuantizationArg = Quantization | Literal["auto"] | None
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,21 +44,47 @@ _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
 def resolve_quantization(
-    quantization: QuantizationArg, dtype: torch.dtype, device: torch.device
+    quantization: QuantizationArg,
+    dtype: torch.dtype,
+    device: torch.device,
+    batch_invariant: bool = False,
 ) -> Quantization | None:
     """Resolve "auto": "int4-decode" for bf16 on the CPU, else no quantization.
 
     "int4-decode" runs int4 GEMVs for steps of at most 8 rows (decode of a few streams) and
     dense bf16 GEMMs for prefill and big batches: the fastest choice at every batch size here.
     fp32 and any dtype on CUDA stay unquantized, so fp32 reproduces the reference exactly.
+    batch_invariant: "auto" is dense, and the "-decode" kinds are refused (they switch kernels
+    with the step's row count).
     """
     if quantization == "auto":
-        return "int4-decode" if device.type == "cpu" and dtype == torch.bfloat16 else None
+        cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        return "int4-decode" if cpu_bf16 and not batch_invariant else None
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization={quantization!r}; allowed: 'auto', None, {', '.join(QUANTIZATIONS)}"
         )
+    if batch_invariant and quantization is not None and quantization.endswith("-decode"):
+        raise ValueError(
+            f"quantization={quantization!r} switches kernels with the step's row count; allowed "
+            "with batch_invariant=True: 'auto' (dense), None, 'int8', 'int4'"
+        )
     return quantization
+
+
+def check_batch_invariant(dtype: torch.dtype, device: torch.device) -> None:
+    """The batch-invariant mode runs every token through the compiled CPU attention kernel,
+    which is bf16 only; GEMMs elsewhere (fp32 GEMV vs GEMM, cuBLAS) vary with the row count."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        raise ValueError(
+            f"batch_invariant=True with dtype={str(dtype).removeprefix('torch.')!r} on "
+            f"{device.type!r}; allowed: dtype 'bfloat16' on 'cpu'"
+        )
+    if not cpu_attention.available():
+        raise RuntimeError(
+            "batch_invariant=True needs the compiled CPU attention kernel, which could not be "
+            "built here (a C compiler, or BRIGADE_CPU_KERNEL unset; see the log)"
+        )
 
 
 def load_model(
@@ -66,26 +93,38 @@ def load_model(
     dtype: torch.dtype | str,
     device: str | torch.device = "cpu",
     quantization: QuantizationArg = "auto",
+    batch_invariant: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a registered name, a .gguf path or an HF directory onto `device` in `dtype`.
 
     quantization: None (dense weights in `dtype`); "int8" / "int4" (weight-only on every step,
     CPU); "int8-decode" / "int4-decode" (weight-only for steps of at most 8 rows, dense above);
-    "auto" (see resolve_quantization).
+    "auto" (see resolve_quantization). batch_invariant: a token's logits are bit-identical
+    whatever shares its step and however its prompt was chunked (bf16 on the CPU only).
     """
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r}; allowed: {', '.join(_DTYPES)}")
         dtype = _DTYPES[dtype]
     device = torch.device(device)
-    quant = resolve_quantization(quantization, dtype, device)
+    quant = resolve_quantization(quantization, dtype, device, batch_invariant)
+    if batch_invariant:
+        check_batch_invariant(dtype, device)
     path = resolve_model(model)
     if model_format(path) == "hf":
         config, weights = read_hf_dir(path)
     else:
         config, weights = read_gguf(path)
     weights = {k: w.to(device) for k, w in weights.items()}
-    return LlamaForCausalLM(config, weights, dtype=dtype, device=device, quantization=quant), config
+    llama = LlamaForCausalLM(
+        config,
+        weights,
+        dtype=dtype,
+        device=device,
+        quantization=quant,
+        batch_invariant=batch_invariant,
+    )
+    return llama, config
 
 
 def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:

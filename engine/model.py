@@ -36,6 +36,7 @@ class DecoderLayer(nn.Module):
         *,
         dtype: torch.dtype,
         quantization: Quantization | None,
+        batch_invariant: bool = False,
     ) -> None:
         super().__init__()
         c = config
@@ -46,7 +47,7 @@ class DecoderLayer(nn.Module):
         attn, mlp = "self_attn.", "mlp."
         qkv = torch.cat([weights[f"{attn}{n}_proj.weight"] for n in "qkv"])  # [q+2kv, hidden]
         gate_up = torch.cat([weights[f"{mlp}gate_proj.weight"], weights[f"{mlp}up_proj.weight"]])
-        lin = {"dtype": dtype, "quantization": quantization}
+        lin = {"dtype": dtype, "quantization": quantization, "batch_invariant": batch_invariant}
         self.qkv_proj = make_linear(qkv, **lin)
         self.o_proj = make_linear(weights[f"{attn}o_proj.weight"], **lin)
         self.gate_up_proj = make_linear(gate_up, **lin)
@@ -89,23 +90,34 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         quantization: Quantization | None = None,
+        batch_invariant: bool = False,  # linears that ignore the row count (engine/loader.py)
     ) -> None:
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, device
-        self.quantization = quantization
+        self.quantization, self.batch_invariant = quantization, batch_invariant
         embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
         self.embed_tokens = nn.Parameter(embed.to(dtype), requires_grad=False)
         self.layers = nn.ModuleList()
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}."
             own = {k[len(prefix) :]: w for k, w in weights.items() if k.startswith(prefix)}
-            self.layers.append(DecoderLayer(config, own, dtype=dtype, quantization=quantization))
+            self.layers.append(
+                DecoderLayer(
+                    config,
+                    own,
+                    dtype=dtype,
+                    quantization=quantization,
+                    batch_invariant=batch_invariant,
+                )
+            )
         self.norm = nn.Parameter(weights["model.norm.weight"].to(dtype), requires_grad=False)
         head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
         # The head stays at 8 bits under int4: int4 there (of a Q8_0 embedding) changed greedy
         # continuations within a few tokens, int4 layers with an 8-bit head kept them.
         head_quant = {"int4": "int8", "int4-decode": "int8-decode"}.get(quantization, quantization)
-        self.lm_head = make_linear(head, dtype=dtype, quantization=head_quant)
+        self.lm_head = make_linear(
+            head, dtype=dtype, quantization=head_quant, batch_invariant=batch_invariant
+        )
         cos, sin = rope_tables(config, device)
         half = config.head_dim // 2
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)

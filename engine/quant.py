@@ -31,6 +31,23 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
+class TwoRowLinear(nn.Module):
+    """The batch-invariant mode's linear: a one-row input is computed as two copies of the row.
+    The CPU's bf16 GEMM gives a row the same bits at every row count from 2 up, but its one-row
+    path sums in another order (measured: a row of a SmolLM2 down_proj differed). Two rows cost
+    what one does (the weights are read once either way)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.out_features = inner.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] == 1:
+            return self.inner.forward(x.expand(2, -1).contiguous())[:1]
+        return self.inner.forward(x)
+
+
 class Int8Linear(nn.Module):
     """Symmetric per-output-channel int8: w ~ q * scale[out]."""
 
@@ -91,12 +108,24 @@ class DecodeLinear(nn.Module):
 
 
 def make_linear(
-    weight: Tensor, *, quantization: Quantization | None, dtype: torch.dtype
+    weight: Tensor,
+    *,
+    quantization: Quantization | None,
+    dtype: torch.dtype,
+    batch_invariant: bool = False,
 ) -> nn.Module:
     """A linear layer over `weight` [out, in] (float, on its final device) in `dtype`.
 
     int4 needs `in` divisible by 32 and `out` by 16; a matrix that is not falls back to int8.
+    batch_invariant: one kernel at every row count (no "-decode" switching), one-row inputs
+    computed as two rows, so a row's result never depends on how many share the step.
     """
+    if batch_invariant:
+        if quantization is not None and quantization.endswith("-decode"):
+            raise ValueError(
+                f"quantization={quantization!r}; allowed with batch_invariant: None, int8, int4"
+            )
+        return TwoRowLinear(make_linear(weight, quantization=quantization, dtype=dtype))
     if quantization is None:
         return DenseLinear(weight.to(dtype))
     if quantization in ("int8-decode", "int4-decode"):

@@ -1,4 +1,4 @@
-"""The compiled CPU decode-attention kernel (cpu_decode_attention.c), built once per machine.
+"""The compiled CPU paged-attention kernel (cpu_paged_attention.c), built once per machine.
 
 The system C compiler builds it into a per-user cache the first time it is needed (~0.3 s), keyed
 by the source, the flags and the CPU, and ctypes loads it. OpenMP in it binds to the libgomp torch
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 # -ffast-math lets the compiler vectorize expf and reorder the fp32 sums; the kernel never
 # produces infinities or NaNs from finite inputs. Each later set drops what a compiler lacked.
 FLAG_SETS = (
@@ -77,7 +77,7 @@ def build(compiler: str, flags: tuple[str, ...], errors: list[str]) -> ctypes.CD
     to `errors`."""
     parts = [SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode()]
     key = hashlib.sha256(b"\0".join([*parts, _cpu_signature().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"cpu_decode_attention-{key}.so"
+    target = cache_dir() / f"cpu_paged_attention-{key}.so"
     try:
         if not target.exists():
             err = _build(compiler, flags, target)
@@ -88,7 +88,7 @@ def build(compiler: str, flags: tuple[str, ...], errors: list[str]) -> ctypes.CD
     except (OSError, subprocess.SubprocessError) as err:  # unwritable cache, odd compiler
         errors.append(f"{' '.join(flags)}: {err}")
         return None
-    fn = lib.paged_decode_attention_bf16
+    fn = lib.paged_attention_bf16
     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
     return lib
 
@@ -104,7 +104,7 @@ def load() -> ctypes.CDLL | None:
         return None
     cc = compiler()
     if cc is None:
-        log.warning("no C compiler (cc/gcc, or $CC): CPU decode attention uses the torch path")
+        log.warning("no C compiler (cc/gcc, or $CC): CPU attention uses the torch path")
         return None
     errors: list[str] = []
     for flags in FLAG_SETS:
@@ -112,7 +112,7 @@ def load() -> ctypes.CDLL | None:
         if lib is not None:
             return lib
     log.warning(
-        "could not build the CPU decode-attention kernel; using the torch path:\n%s",
+        "could not build the CPU paged-attention kernel; using the torch path:\n%s",
         "\n".join(errors),
     )
     return None
@@ -122,21 +122,21 @@ def available() -> bool:
     return load() is not None
 
 
-def paged_decode_attention(
+def paged_attention_cpu(
     q: Tensor,  # [T, H, D] bf16, heads and dims contiguous (rows may be strided)
     k_cache: Tensor,  # [num_blocks, block_size, KVH, D] bf16, contiguous
     v_cache: Tensor,
     block_tables: Tensor,  # [S, W] int32, contiguous
-    seq_idx: Tensor,  # [n] int32: each decode's row of block_tables
-    rows: Tensor,  # [n] int32: each decode's query row of q (and of out)
-    seq_lens: Tensor,  # [n] int32: keys each decode attends (>= 1)
+    seq_idx: Tensor,  # [n] int32: each query's row of block_tables
+    rows: Tensor,  # [n] int32: each query's row of q (and of out)
+    seq_lens: Tensor,  # [n] int32: keys each query attends, from position 0 (>= 1)
     scale: float,
-    out: Tensor,  # [T, H, D] bf16, contiguous; only the decode rows are written
+    out: Tensor,  # [T, H, D] bf16, contiguous; only the rows listed in `rows` are written
     lib: ctypes.CDLL | None = None,  # default: load()
 ) -> None:
     lib = lib or load()
     if lib is None:
-        raise RuntimeError("the CPU decode-attention kernel is not available (see the log)")
+        raise RuntimeError("the CPU paged-attention kernel is not available (see the log)")
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
@@ -149,7 +149,7 @@ def paged_decode_attention(
     index = (seq_idx, rows, seq_lens)
     if any(t.dtype != torch.int32 or not t.is_contiguous() for t in (block_tables, *index)):
         raise ValueError("block_tables, seq_idx, rows and seq_lens must be contiguous int32")
-    status = lib.paged_decode_attention_bf16(
+    status = lib.paged_attention_bf16(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
@@ -175,4 +175,4 @@ def paged_decode_attention(
             "takes at most 16 query heads per KV head and head_dim <= 256"
         )
     if status != 0:
-        raise MemoryError("the CPU decode-attention kernel could not allocate its score buffer")
+        raise MemoryError("the CPU paged-attention kernel could not allocate its score buffer")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.cpu_attention import paged_decode_attention
+from kernels.cpu_attention import paged_attention_cpu
 
 try:
     import triton
@@ -205,13 +205,13 @@ class _DecodeGroup:
 
 
 @dataclass
-class _KernelDecodes:
-    """Every single-token sequence of the step, for the compiled CPU kernel (all int32)."""
+class _KernelTokens:
+    """Every token of the step as one query for the compiled CPU kernel (all int32)."""
 
     block_tables: Tensor  # [S, W] the step's block tables
-    seq_idx: Tensor  # [n] each decode's row of block_tables
-    rows: Tensor  # [n] each decode's row of the step's tokens
-    seq_lens: Tensor  # [n] keys each decode attends
+    seq_idx: Tensor  # [T] each token's row of block_tables
+    rows: Tensor  # [T] each token's row of the step's tokens
+    seq_lens: Tensor  # [T] keys each token attends: its position + 1
 
 
 @dataclass
@@ -220,7 +220,7 @@ class ReferencePlan:
 
     decodes: list[_DecodeGroup]  # single-token sequences, batched by similar length
     prefills: list[_PrefillSeq]  # the others, one by one
-    kernel: _KernelDecodes | None = None  # set: the decodes go to the compiled CPU kernel
+    kernel: _KernelTokens | None = None  # set: every token goes to the compiled CPU kernel
 
 
 MAX_DECODE_GROUPS = 4
@@ -232,9 +232,31 @@ def build_reference_plan(
     seq_lens: list[int],
     block_size: int,
     *,
-    decode_kernel: bool = False,
+    kernel: bool = False,
 ) -> ReferencePlan:
-    """decode_kernel: hand the single-token sequences to kernels.cpu_attention (bf16, CPU)."""
+    """kernel: hand every token to kernels.cpu_attention (bf16, CPU), prefill tokens included,
+    each as one query over the cached keys up to its own position. A token's attention is then
+    computed the same way whether it is decoded, prefilled whole, prefilled in chunks or
+    recomputed after a preemption, whatever shares the step; and reading the blocks in place it
+    beats gathering them for torch's SDPA (prefill 1.1-1.3x at 128-2048 tokens here).
+    """
+    if kernel:
+        seq_idx, rows, lens, row = [], [], [], 0
+        for i, (ql, sl) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            seq_idx += [i] * ql
+            rows += range(row, row + ql)
+            lens += range(sl - ql + 1, sl + 1)
+            row += ql
+        return ReferencePlan(
+            [],
+            [],
+            _KernelTokens(
+                block_tables.to(torch.int32).contiguous(),
+                torch.tensor(seq_idx, dtype=torch.int32),
+                torch.tensor(rows, dtype=torch.int32),
+                torch.tensor(lens, dtype=torch.int32),
+            ),
+        )
     device = block_tables.device
     tables = block_tables.to(torch.int64).clamp_min(0)  # [S, max_blocks]
     decodes, prefills, row = [], [], 0  # decodes: (row, seq index, num blocks)
@@ -248,15 +270,6 @@ def build_reference_plan(
             mask = pos[None, :] <= pos[sl - ql :, None]  # [ql, sl]
             prefills.append(_PrefillSeq(row, row + ql, tables[i, : -(-sl // block_size)], mask))
         row += ql
-    if decode_kernel and decodes:
-        rows, seq_idx, _ = zip(*decodes, strict=True)
-        kernel = _KernelDecodes(
-            block_tables.to(torch.int32).contiguous(),
-            torch.tensor(seq_idx, dtype=torch.int32),
-            torch.tensor(rows, dtype=torch.int32),
-            torch.tensor([seq_lens[i] for i in seq_idx], dtype=torch.int32),
-        )
-        return ReferencePlan([], prefills, kernel)
     groups = _group_by_length(decodes)
     every_row = len(groups) == 1 and len(decodes) == row
     if every_row:
@@ -329,12 +342,13 @@ def paged_attention_reference(
     num_kv_heads = k.shape[1]
     group_size = num_heads // num_kv_heads
     out = None
-    if plan.kernel is not None:
-        kd = plan.kernel
+    if plan.kernel is not None:  # every token, in the compiled kernel
+        kt = plan.kernel
         out = q.new_empty(q.shape)
-        paged_decode_attention(
-            q, k_cache, v_cache, kd.block_tables, kd.seq_idx, kd.rows, kd.seq_lens, scale, out
+        paged_attention_cpu(
+            q, k_cache, v_cache, kt.block_tables, kt.seq_idx, kt.rows, kt.seq_lens, scale, out
         )
+        return out
     for g in plan.decodes:
         qd = q if g.rows is None else q[g.rows]
         nd = g.blocks.shape[0]

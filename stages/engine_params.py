@@ -78,8 +78,16 @@ def sampling_params(sampling: Sampling, request_id: str) -> Any:
         raise StageError("invalid_request", text, field=name) from err
 
 
+def _flag(text: str) -> bool:
+    value = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+    if text.lower() not in value:
+        raise ValueError(f"{text!r} is not a flag; allowed: 1/0, true/false, yes/no")
+    return value[text.lower()]
+
+
 def engine_config_from_env() -> Any:
-    """EngineConfig from BRIGADE_* variables (model, dtype, device, KV budget, batch limits)."""
+    """EngineConfig from BRIGADE_* variables (model, dtype, device, KV budget, batch limits,
+    batch-invariant mode)."""
     from engine import EngineConfig
 
     env = os.environ
@@ -93,6 +101,7 @@ def engine_config_from_env() -> Any:
         ("BRIGADE_MAX_NUM_SEQS", "max_num_seqs", int),
         ("BRIGADE_MAX_NUM_BATCHED_TOKENS", "max_num_batched_tokens", int),
         ("BRIGADE_MAX_MODEL_LEN", "max_model_len", int),
+        ("BRIGADE_BATCH_INVARIANT", "batch_invariant", _flag),
     ):
         if env.get(key):
             try:

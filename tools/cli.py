@@ -20,7 +20,13 @@ COMMANDS = [
     "tools.keys",
     "tools.usage",
 ]
-BENCH = ["tools.bench_pipeline", "tools.bench_engine", "tools.bench_load", "tools.bench_hops"]
+BENCH = [
+    "tools.bench_pipeline",
+    "tools.bench_engine",
+    "tools.bench_invariant",
+    "tools.bench_load",
+    "tools.bench_hops",
+]
 
 
 def _register_all(subparsers, names: list[str]) -> None:

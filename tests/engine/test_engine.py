@@ -1,4 +1,5 @@
-"""Engine: add_request / step / abort on a tiny random Llama and on the real SmolLM2 (fp32)."""
+"""Engine: add_request / step / abort on a tiny random Llama and on the real SmolLM2 (fp32, and
+bf16 in the batch-invariant mode)."""
 
 import dataclasses
 from pathlib import Path
@@ -171,6 +172,53 @@ def test_smollm2_greedy_same_alone_and_batched_with_chunks_and_preemption():
     assert engine.stats().num_preemptions > 0  # 160 KV slots for ~90 prompt + 64 new tokens
     assert batched == alone(engine, toks, params)
     assert tok.decode(batched[0]).strip().startswith("Paris")
+
+
+@pytest.mark.parametrize("quantization", ["auto", "int4"])  # dense bf16 GEMMs; int4 GEMVs
+def test_smollm2_bf16_batch_invariant_gives_the_same_bits_alone_batched_and_preempted(
+    quantization,
+):
+    """bf16 on the CPU is batch-invariant only in this mode: every token's attention through the
+    compiled kernel, dense GEMMs that give a row the same bits at any row count. Token ids and
+    logprobs (floats) must be identical alone, with seven others, chunked and after preemption."""
+    engine = Engine(
+        EngineConfig(
+            dtype="bfloat16",
+            batch_invariant=True,
+            quantization=quantization,
+            num_kv_blocks=12,
+            max_num_batched_tokens=32,
+            max_num_seqs=8,
+        )
+    )
+    tok = engine.tokenizer
+    texts = [
+        "Once upon a time, in a small village at the edge of a great forest, there lived",
+        "The capital of France is",
+        "Write a haiku about the sea. It goes",
+        "1, 2, 3, 4,",
+        "def fibonacci(n):",
+        "The three primary colors are",
+        "Hello",
+        "A list of fruits: apple, banana,",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def run(requests):  # -> {request id: (token ids, logprobs)}
+        for rid, text in requests:
+            engine.add_request(rid, tok.encode(text), params)
+        out = {rid: ([], []) for rid, _ in requests}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out[o.request_id][0].extend(o.new_token_ids)
+                out[o.request_id][1].extend(o.new_logprobs)
+        return out
+
+    batched = run([(f"b{i}", t) for i, t in enumerate(texts)])
+    assert engine.stats().num_preemptions > 0  # 192 KV slots for ~90 prompt + 192 new tokens
+    for i, text in enumerate(texts):
+        assert run([(f"a{i}", text)])[f"a{i}"] == batched[f"b{i}"], texts[i]
+    assert tok.decode(batched["b1"][0]).strip().startswith("Paris")
 
 
 def test_min_tokens_masks_stop_ids_until_reached(tiny_dir):

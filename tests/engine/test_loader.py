@@ -236,3 +236,14 @@ def test_quantization_option():
         ValueError, match="allowed: 'auto', None, int8, int4, int8-decode, int4-decode"
     ):
         resolve_quantization("int3", torch.bfloat16, cpu)
+
+
+def test_batch_invariant_option():
+    cpu = torch.device("cpu")
+    assert resolve_quantization("auto", torch.bfloat16, cpu, batch_invariant=True) is None
+    assert resolve_quantization("int4", torch.bfloat16, cpu, batch_invariant=True) == "int4"
+    for q in ("int4-decode", "int8-decode"):
+        with pytest.raises(ValueError, match=rf"'{q}' switches kernels with the step's row count"):
+            resolve_quantization(q, torch.bfloat16, cpu, batch_invariant=True)
+    with pytest.raises(ValueError, match="dtype='float32' on 'cpu'; allowed: dtype 'bfloat16'"):
+        load_model("smollm2-135m", dtype="float32", batch_invariant=True)

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from engine.quant import DecodeLinear, DenseLinear, Int4Linear, Int8Linear, make_linear
+from engine.quant import (
+    DecodeLinear,
+    DenseLinear,
+    Int4Linear,
+    Int8Linear,
+    TwoRowLinear,
+    make_linear,
+)
 
 
 def test_int4_is_exact_on_a_4bit_asymmetric_grid():
@@ -57,3 +64,16 @@ def test_decode_variant_uses_the_quantized_kernel_up_to_8_rows():
     assert torch.equal(lin.forward(x[:8]), lin.small.forward(x[:8]))
     assert torch.equal(lin.forward(x), x @ w.t())  # 9 rows: the dense weights
     assert not torch.equal(lin.forward(x[:8]), x[:8] @ w.t())
+
+
+def test_batch_invariant_linear_computes_one_row_as_two():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=g)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    for quantization, kind in ((None, DenseLinear), ("int4", Int4Linear), ("int8", Int8Linear)):
+        lin = make_linear(w, quantization=quantization, dtype=torch.bfloat16, batch_invariant=True)
+        assert type(lin) is TwoRowLinear and type(lin.inner) is kind
+        assert torch.equal(lin.forward(x[2:3]), lin.inner.forward(x[2:3].repeat(2, 1))[:1])
+        assert torch.equal(lin.forward(x), lin.inner.forward(x))
+    with pytest.raises(ValueError, match="'int4-decode'; allowed with batch_invariant: None, int8"):
+        make_linear(w, quantization="int4-decode", dtype=torch.bfloat16, batch_invariant=True)

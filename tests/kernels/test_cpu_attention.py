@@ -1,4 +1,4 @@
-"""The compiled CPU decode-attention kernel against fp32 attention over the same blocks."""
+"""The compiled CPU paged-attention kernel against fp32 attention over the same blocks."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def run(q, k_cache, v_cache, tables, lens, rows, scale, seq_idx=None, lib=None):
     out = torch.zeros(q.shape, dtype=torch.bfloat16)
     i32 = torch.int32
     seq_idx = list(range(len(lens))) if seq_idx is None else seq_idx
-    cpu_attention.paged_decode_attention(
+    cpu_attention.paged_attention_cpu(
         q,
         k_cache,
         v_cache,
@@ -124,7 +124,7 @@ def test_without_a_compiler_load_returns_none(monkeypatch, tmp_path, caplog):
     cpu_attention.load.cache_clear()
     try:
         assert cpu_attention.load() is None
-        assert "could not build the CPU decode-attention kernel" in caplog.text
+        assert "could not build the CPU paged-attention kernel" in caplog.text
         monkeypatch.setenv("BRIGADE_CPU_KERNEL", "0")
         cpu_attention.load.cache_clear()
         assert not cpu_attention.available()
@@ -141,7 +141,7 @@ def test_an_unwritable_cache_falls_back_instead_of_failing(monkeypatch, tmp_path
     cpu_attention.load.cache_clear()
     try:
         assert cpu_attention.load() is None
-        assert "could not build the CPU decode-attention kernel" in caplog.text
+        assert "could not build the CPU paged-attention kernel" in caplog.text
     finally:
         monkeypatch.undo()
         cpu_attention.load.cache_clear()

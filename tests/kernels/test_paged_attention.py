@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kernels.paged_attention as pa
+from kernels import cpu_attention
 
 TOLERANCE = {  # STYLE.md's table
     torch.float32: {"atol": 1e-5, "rtol": 1.3e-6},
@@ -134,6 +135,44 @@ def test_reference_plan_splits_decodes_of_very_different_lengths():
     one_group.decodes = [pa._DecodeGroup(rows, tables[rows].long(), mask, bias)]
     expected = pa.paged_attention_reference(q, k, v, k_cache, v_cache, one_group, 8**-0.5)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_every_token_plan_gives_each_token_its_own_context():
+    tables = torch.tensor([[3, -1], [0, 1], [2, -1]], dtype=torch.int32)
+    plan = pa.build_reference_plan(tables, [3, 1, 2], [3, 20, 7], 16, kernel=True)
+    assert (plan.decodes, plan.prefills) == ([], [])
+    kd = plan.kernel
+    assert kd.seq_idx.tolist() == [0, 0, 0, 1, 2, 2]
+    assert kd.rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert kd.seq_lens.tolist() == [1, 2, 3, 20, 6, 7]  # causal: up to its own position
+    assert kd.block_tables.dtype == torch.int32 and kd.block_tables.tolist() == tables.tolist()
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler for the CPU kernel")
+def test_every_token_plan_is_causal_attention_and_chunking_changes_no_bit():
+    lens, bs = [23, 9], 4
+    case = make_case(lens, lens, num_heads=6, num_kv_heads=2, block_size=bs, dtype=torch.bfloat16)
+    qs, keys, values, k_cache, v_cache, tables = case
+    scale = 16**-0.5
+
+    def attend(seqs):  # [(sequence, first new token, new tokens)] of one step
+        q = torch.cat([qs[i][s : s + n] for i, s, n in seqs])
+        plan = pa.build_reference_plan(
+            tables[[i for i, _, _ in seqs]],
+            [n for _, _, n in seqs],
+            [s + n for _, s, n in seqs],
+            bs,
+            kernel=True,
+        )
+        kv = q.new_empty(len(q), 2, 16)  # already in the cache: make_case wrote every token
+        return pa.paged_attention_reference(q, kv, kv, k_cache, v_cache, plan, scale)
+
+    whole = attend([(0, 0, 23), (1, 0, 9)])
+    expected = torch.cat([dense_causal(q, k, v) for q, k, v in zip(qs, keys, values, strict=True)])
+    torch.testing.assert_close(whole.float(), expected, **TOLERANCE[torch.bfloat16])
+    chunks = [attend([(0, 0, 10)]), attend([(1, 0, 4), (0, 10, 12)]), attend([(0, 22, 1)])]
+    assert torch.equal(torch.cat([chunks[0], chunks[1][4:], chunks[2]]), whole[:23])
+    assert torch.equal(torch.cat([chunks[1][:4], attend([(1, 4, 5)])]), whole[23:])
 
 
 KERNEL_CASES = [  # (query_lens, seq_lens, (heads, kv heads), block_size, dtype)

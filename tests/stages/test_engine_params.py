@@ -58,6 +58,13 @@ def test_engine_config_from_the_environment(monkeypatch):
     monkeypatch.setenv("BRIGADE_MAX_NUM_SEQS", "4")
     config = engine_config_from_env()
     assert (config.num_kv_blocks, config.max_num_seqs, config.model) == (128, 4, "smollm2-135m")
+    assert config.batch_invariant is False
+    monkeypatch.setenv("BRIGADE_BATCH_INVARIANT", "true")
+    assert engine_config_from_env().batch_invariant is True
+    monkeypatch.setenv("BRIGADE_BATCH_INVARIANT", "maybe")
+    with pytest.raises(ValueError, match="BRIGADE_BATCH_INVARIANT='maybe': 'maybe' is not a flag"):
+        engine_config_from_env()
+    monkeypatch.delenv("BRIGADE_BATCH_INVARIANT")
     monkeypatch.setenv("BRIGADE_MAX_NUM_SEQS", "four")
     with pytest.raises(ValueError, match="BRIGADE_MAX_NUM_SEQS='four'"):
         engine_config_from_env()

@@ -1,17 +1,18 @@
-/* Paged decode attention for the CPU: one query token per sequence against its cached K/V,
- * read in place from the block pool (no gather, no copy).
+/* Paged attention for the CPU: each query token against its sequence's cached K/V up to its own
+ * position, read in place from the block pool (no gather, no copy). A query is a decode row or
+ * one token of a prefill chunk (whose K/V the caller has already written to the cache).
  *
- * Work items are (sequence, KV head) pairs, shared by the OpenMP threads. Each item loads the
+ * Work items are (query, KV head) pairs, shared by the OpenMP threads. Each item loads the
  * GQA group's queries once, scores every cached key (pass 1, over K), then accumulates V with
  * the softmax weights (pass 2, over V): each key and value row is read exactly once. All maths is
  * fp32 (with AVX512-BF16, the scores' bf16 products come from vdpbf16ps); the result is rounded to
- * the cache dtype once. An item's result depends only on its own
- * sequence, so a sequence's output is the same whatever else shares the step.
+ * the cache dtype once. An item's result depends only on its own query and keys, so a token's
+ * output is the same whatever else shares the step and however its prompt was chunked.
  *
  * Layouts (row-major, strides in elements; bf16 stored as uint16):
- *   q      [T, H, D]           rows[i] is sequence i's query row
+ *   q      [T, H, D]           rows[i] is query i's row; it attends seq_lens[i] keys
  *   cache  [NB, BS, KVH, D]    k_cache and v_cache
- *   tables [S, W] int32        block ids; seq_idx[i] is sequence i's row
+ *   tables [S, W] int32        block ids; seq_idx[i] is query i's sequence (row of tables)
  *   out    [T, H, D]
  */
 #include <float.h>
@@ -51,7 +52,7 @@ static inline void prefetch_block(const uint16_t *cache, const int32_t *table, i
     }
 }
 
-/* One (sequence, KV head) item. Inlined with constant D and G for the common shapes, so the
+/* One (query, KV head) item. Inlined with constant D and G for the common shapes, so the
  * row, the queries and the accumulators live in vector registers. */
 static inline __attribute__((always_inline)) void attend(
     const int D, const int G, const uint16_t *qrow, const uint16_t *k_cache,
@@ -137,7 +138,7 @@ static inline __attribute__((always_inline)) void attend(
         for (int d = 0; d < D; ++d) orow[g * D + d] = f32_to_bf16(acc[g][d] * inv_sum[g]);
 }
 
-int paged_decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache,
+int paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache,
                                  const uint16_t *v_cache, const int32_t *tables,
                                  int64_t table_stride, const int32_t *seq_idx, const int32_t *rows,
                                  const int32_t *seq_lens, int32_t n, int32_t num_heads,
