@@ -2,7 +2,8 @@
 
 Token t of a sequence attends to that sequence's first `ctx_len[t]` cached keys (causal: a query
 at context position p sees keys 0..p). Three parts: the Triton kernel (GPU, or CPU under
-TRITON_INTERPRET=1), its checked wrapper, and the pure-torch reference the CPU engine runs.
+TRITON_INTERPRET=1), its checked wrapper, and the pure-torch reference the CPU engine runs in
+fp32 (bf16 hands the plan's tokens to the compiled kernel in kernels/cpu_attention.py).
 """
 
 from __future__ import annotations
@@ -336,19 +337,19 @@ def paged_attention_reference(
     plan: ReferencePlan,
     scale: float,
 ) -> Tensor:
-    """Decodes through the compiled CPU kernel when the plan holds them, else gathered and
-    batched; prefills one by one, gathering only the blocks each uses."""
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k.shape[1]
-    group_size = num_heads // num_kv_heads
-    out = None
-    if plan.kernel is not None:  # every token, in the compiled kernel
+    """Every token through the compiled CPU kernel when the plan says so; else decodes gathered
+    and batched, prefills one by one, gathering only the blocks each uses."""
+    if plan.kernel is not None:
         kt = plan.kernel
         out = q.new_empty(q.shape)
         paged_attention_cpu(
             q, k_cache, v_cache, kt.block_tables, kt.seq_idx, kt.rows, kt.seq_lens, scale, out
         )
         return out
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k.shape[1]
+    group_size = num_heads // num_kv_heads
+    out = None
     for g in plan.decodes:
         qd = q if g.rows is None else q[g.rows]
         nd = g.blocks.shape[0]
