@@ -73,8 +73,8 @@ def resolve_quantization(
 
 
 def check_batch_invariant(dtype: torch.dtype, device: torch.device) -> None:
-    """The batch-invariant mode runs every token through the compiled CPU attention kernel,
-    which is bf16 only; GEMMs elsewhere (fp32 GEMV vs GEMM, cuBLAS) vary with the row count."""
+    """The batch-invariant mode needs attention in the compiled CPU kernel (one query token at a
+    time, bf16 only); fp32 (SDPA, GEMV vs GEMM) and CUDA (cuBLAS) vary with the row count."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         raise ValueError(
             f"batch_invariant=True with dtype={str(dtype).removeprefix('torch.')!r} on "
@@ -82,8 +82,9 @@ def check_batch_invariant(dtype: torch.dtype, device: torch.device) -> None:
         )
     if not cpu_attention.available():
         raise RuntimeError(
-            "batch_invariant=True needs the compiled CPU attention kernel, which could not be "
-            "built here (a C compiler, or BRIGADE_CPU_KERNEL unset; see the log)"
+            "batch_invariant=True needs the compiled CPU attention kernel, which is off or could "
+            "not be built here: it needs a C compiler (cc, gcc or $CC) and BRIGADE_CPU_KERNEL "
+            "unset or 1 (the log says what failed)"
         )
 
 

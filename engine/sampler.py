@@ -93,10 +93,15 @@ def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
     order = torch.sort(vals, descending=True, stable=True).indices
     order = order[torch.sort(rows[order], stable=True).indices]  # by row, then most likely
     rows, cols, vals = rows[order], cols[order], vals[order]
-    cum = vals.cumsum(0)  # [c] running mass over all rows' boundary tokens
     counts = torch.bincount(rows, minlength=n)  # [n] boundary tokens per row
     starts = counts.cumsum(0) - counts  # [n] first boundary token of each row
-    before = mass_above[rows] + (cum - vals) - (cum - vals)[starts][rows]  # mass ranked before
+    rank = torch.arange(rows.numel(), device=dev) - starts[rows]  # [c] place in its row
+    # each row's running mass on its own (a sum running across rows would round a row's mass
+    # differently with other rows beside it: the filter must not depend on the batch)
+    per_row = torch.zeros(n, int(counts.max()), dtype=torch.float64, device=dev)
+    per_row[rows, rank] = vals
+    cum = per_row.cumsum(1)[rows, rank]  # [c]
+    before = mass_above[rows] + (cum - vals)  # mass ranked before each boundary token
     kept = before < p[rows]  # the top token always stays (nothing is ranked before it)
     keep[rows[kept], cols[kept]] = True
     return logits.masked_fill(~keep, float("-inf"))

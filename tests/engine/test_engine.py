@@ -178,9 +178,9 @@ def test_smollm2_greedy_same_alone_and_batched_with_chunks_and_preemption():
 def test_smollm2_bf16_batch_invariant_gives_the_same_bits_alone_batched_and_preempted(
     quantization,
 ):
-    """bf16 on the CPU is batch-invariant only in this mode: every token's attention through the
-    compiled kernel, dense GEMMs that give a row the same bits at any row count. Token ids and
-    logprobs (floats) must be identical alone, with seven others, chunked and after preemption."""
+    """bf16 on the CPU is batch-invariant only in this mode: one GEMM kernel at every row count,
+    a one-row input computed as two. Token ids and logprobs (floats), greedy and seeded, must be
+    identical alone, with seven others, chunked and after preemption."""
     engine = Engine(
         EngineConfig(
             dtype="bfloat16",
@@ -202,10 +202,13 @@ def test_smollm2_bf16_batch_invariant_gives_the_same_bits_alone_batched_and_pree
         "Hello",
         "A list of fruits: apple, banana,",
     ]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    seeded = dataclasses.replace(greedy, temperature=0.8, top_p=0.9)  # odd texts: sampled
 
     def run(requests):  # -> {request id: (token ids, logprobs)}
         for rid, text in requests:
+            i = texts.index(text)
+            params = dataclasses.replace(seeded, seed=i) if i % 2 else greedy
             engine.add_request(rid, tok.encode(text), params)
         out = {rid: ([], []) for rid, _ in requests}
         while engine.has_unfinished_requests():
@@ -218,7 +221,7 @@ def test_smollm2_bf16_batch_invariant_gives_the_same_bits_alone_batched_and_pree
     assert engine.stats().num_preemptions > 0  # 192 KV slots for ~90 prompt + 192 new tokens
     for i, text in enumerate(texts):
         assert run([(f"a{i}", text)])[f"a{i}"] == batched[f"b{i}"], texts[i]
-    assert tok.decode(batched["b1"][0]).strip().startswith("Paris")
+    assert tok.decode(batched["b1"][0]).strip().startswith("Paris")  # seeded, yet sure of it
 
 
 def test_min_tokens_masks_stop_ids_until_reached(tiny_dir):

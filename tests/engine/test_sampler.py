@@ -150,3 +150,15 @@ def test_top_p_matches_a_full_sort_with_bf16_ties(seed):
     keep_sorted = (probs.double().cumsum(-1) - probs.double()) < p.double()[:, None]
     expected = torch.zeros_like(keep_sorted).scatter_(1, ids, keep_sorted)
     assert torch.equal(~torch.isinf(apply_top_p(logits, p)), expected)
+
+
+def test_top_p_of_a_row_does_not_depend_on_the_rows_beside_it():
+    """Each row's boundary mass is summed on its own: flat rows with many boundary tokens before
+    it leave a peaked row's kept set, and its logits, bit for bit as when it is alone."""
+    gen = torch.Generator().manual_seed(4)
+    scale = torch.tensor([0.05, 0.1, 0.2, 8.0, 0.05, 1.0])[:, None]
+    logits = (torch.randn(6, 30000, generator=gen) * scale).bfloat16().float()
+    p = torch.tensor([0.99, 0.95, 0.9, 0.9, 0.5, 0.8])
+    together = apply_top_p(logits, p)
+    for i in range(6):
+        assert torch.equal(apply_top_p(logits[i : i + 1], p[i : i + 1]), together[i : i + 1])
