@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models
 from engine.attention import AttentionMetadata
 from engine.loader import load_model, read_gguf, resolve_quantization
 from engine.weights import resolve_model
+from kernels import cpu_attention
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],
@@ -247,3 +248,9 @@ def test_batch_invariant_option():
             resolve_quantization(q, torch.bfloat16, cpu, batch_invariant=True)
     with pytest.raises(ValueError, match="dtype='float32' on 'cpu'; allowed: dtype 'bfloat16'"):
         load_model("smollm2-135m", dtype="float32", batch_invariant=True)
+
+
+def test_batch_invariant_without_the_kernel_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs the compiled CPU attention kernel"):
+        load_model("smollm2-135m", dtype="bfloat16", batch_invariant=True)
