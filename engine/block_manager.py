@@ -2,28 +2,58 @@
 
 Token position p of a sequence lives in block `block_table[p // block_size]` at offset
 `p % block_size`, i.e. at slot `block_id * block_size + offset` of the flat KV pools. A block
-returns to the free list when its last reference is dropped; free blocks are reused FIFO.
+returns to the free list when its last reference is dropped; free blocks are reused oldest first.
+
+Prefix caching (optional, as vLLM's): a full computed block is registered under a hash of every
+token up to its end (a chain: sha256 of the previous block's hash and this block's tokens). A
+freed block keeps its K/V and its hash until it is reused, so a later sequence whose prompt
+starts with the same full blocks takes them instead of computing them again, whether they are
+still held by another sequence or already free. Only full blocks are shared, and a sequence
+always computes at least its last prompt token itself, so no one writes into a shared block.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+import struct
 
 from engine.sequence import Sequence
 
+_ROOT = b"brigade-prefix"
+
+
+def block_hashes(
+    token_ids: list[int], block_size: int, known: list[bytes], num_blocks: int | None = None
+) -> list[bytes]:
+    """The chain hashes of the first `num_blocks` (default: every) full blocks of `token_ids`;
+    `known`, the hashes already computed for a prefix of them, is extended in place."""
+    full = len(token_ids) // block_size
+    for i in range(len(known), full if num_blocks is None else min(num_blocks, full)):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        parent = known[-1] if known else _ROOT
+        known.append(hashlib.sha256(parent + struct.pack(f"<{block_size}q", *block)).digest())
+    return known
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self._free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))  # oldest first
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash_of: list[bytes | None] = [None] * num_blocks  # a registered block's hash
+        self._cached: dict[bytes, int] = {}  # hash -> the block holding those tokens' K/V
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free_block_ids)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
@@ -46,12 +76,51 @@ class BlockManager:
         assert n <= self.num_free_blocks, (
             f"allocate {n} blocks with {self.num_free_blocks} free: call can_allocate first"
         )
-        new_ids = [self._free_block_ids.popleft() for _ in range(n)]
-        for block_id in new_ids:
-            assert self.ref_counts[block_id] == 0, f"free block {block_id} is still referenced"
-            self.ref_counts[block_id] = 1
+        new_ids = [self._take_free() for _ in range(n)]
         seq.block_table.extend(new_ids)
         return new_ids
+
+    def _take_free(self) -> int:
+        """The oldest free block; a cached one is evicted (its K/V will be overwritten)."""
+        block_id = next(iter(self._free_block_ids))
+        del self._free_block_ids[block_id]
+        assert self.ref_counts[block_id] == 0, f"free block {block_id} is still referenced"
+        self.ref_counts[block_id] = 1
+        h = self._hash_of[block_id]
+        if h is not None:
+            del self._cached[h]
+            self._hash_of[block_id] = None
+        return block_id
+
+    def take_cached_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix of full
+        blocks (never its last token's block); -> the tokens it no longer computes."""
+        assert not seq.block_table and seq.num_computed_tokens == 0, "take for a fresh sequence"
+        if not self.enable_prefix_caching:
+            return 0
+        hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+        usable = (seq.num_tokens - 1) // self.block_size  # the last token is always computed
+        for h in hashes[:usable]:
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            if self.ref_counts[block_id] == 0:
+                del self._free_block_ids[block_id]  # revived: no longer free
+            self.ref_counts[block_id] += 1
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's full blocks whose K/V are now computed (after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, num_full)
+        for block_id, h in zip(seq.block_table[:num_full], hashes[:num_full], strict=True):
+            if self._hash_of[block_id] is None and h not in self._cached:
+                self._cached[h] = block_id
+                self._hash_of[block_id] = h
 
     def fork(self, parent: Sequence, child: Sequence) -> int:
         """Share the parent's full computed blocks with a child (prefix sharing, no copy).
@@ -77,7 +146,7 @@ class BlockManager:
             assert self.ref_counts[block_id] > 0, f"block {block_id} freed more often than taken"
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
-                self._free_block_ids.append(block_id)
+                self._free_block_ids[block_id] = None  # newest: reused (and evicted) last
         seq.block_table = []
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:

@@ -40,6 +40,8 @@ class EngineConfig:
     quantization: str | None = "auto"
     # bit-identical logits for a token whatever shares its step (bf16 on the CPU; see loader)
     batch_invariant: bool = False
+    # reuse the K/V of full blocks a prompt shares with earlier ones (see block_manager.py)
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -61,6 +63,8 @@ class EngineStats:
     num_total_blocks: int
     kv_usage: float  # fraction of blocks in use, 0..1
     num_preemptions: int
+    num_prefix_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    num_prefix_hits: int = 0  # of those, tokens whose cached K/V were reused
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,9 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
         )
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -239,4 +245,6 @@ class Engine:
             num_total_blocks=bm.num_blocks,
             kv_usage=bm.usage,
             num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_queries=self.scheduler.num_prefix_queries,
+            num_prefix_hits=self.scheduler.num_prefix_hits,
         )

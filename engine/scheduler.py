@@ -68,6 +68,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.num_prefix_hits = 0  # of those, tokens found cached (not computed again)
 
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
@@ -100,11 +102,15 @@ class Scheduler:
             return out  # memory is tight: admit nobody new this step
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            cached = self.block_manager.take_cached_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
             fits = len(self.running) < self.config.max_num_seqs and self.block_manager.can_allocate(
                 seq, num_new
             )
             if not fits:
+                if cached:  # give the prefix back; it is looked up again on the next try
+                    self.block_manager.free(seq)
+                    seq.num_computed_tokens = 0
                 # An interactive request may take the place of a running batch request.
                 victim = max(self.running, key=lambda s: s.sort_key, default=None)
                 if victim is not None and victim.priority > seq.priority:
@@ -115,6 +121,8 @@ class Scheduler:
                     continue
                 break
             self.waiting.pop(0)
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._schedule(out, seq, num_new)
@@ -155,6 +163,7 @@ class Scheduler:
         for s in out.scheduled:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
             if not s.samples:
                 continue
             token_id = sampled_token_ids[k]

@@ -87,7 +87,7 @@ def _flag(text: str) -> bool:
 
 def engine_config_from_env() -> Any:
     """EngineConfig from BRIGADE_* variables (model, dtype, device, KV budget, batch limits,
-    batch-invariant mode)."""
+    batch-invariant mode, prefix caching)."""
     from engine import EngineConfig
 
     env = os.environ
@@ -102,6 +102,7 @@ def engine_config_from_env() -> Any:
         ("BRIGADE_MAX_NUM_BATCHED_TOKENS", "max_num_batched_tokens", int),
         ("BRIGADE_MAX_MODEL_LEN", "max_model_len", int),
         ("BRIGADE_BATCH_INVARIANT", "batch_invariant", _flag),
+        ("BRIGADE_PREFIX_CACHING", "enable_prefix_caching", _flag),
     ):
         if env.get(key):
             try:

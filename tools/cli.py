@@ -24,6 +24,7 @@ BENCH = [
     "tools.bench_pipeline",
     "tools.bench_engine",
     "tools.bench_invariant",
+    "tools.bench_prefix",
     "tools.bench_load",
     "tools.bench_hops",
 ]

@@ -224,6 +224,48 @@ def test_smollm2_bf16_batch_invariant_gives_the_same_bits_alone_batched_and_pree
     assert tok.decode(batched["b1"][0]).strip().startswith("Paris")  # seeded, yet sure of it
 
 
+def test_prefix_caching_reuses_blocks_and_changes_no_bit(tiny_dir):
+    """Requests sharing a 40-token system prefix, run after one that computed it: with the
+    cache they skip the shared full blocks and give bit-identical tokens and logprobs (bf16,
+    batch-invariant, so that any difference would be the cache's), preempted ones included."""
+    system = prompts([40], 200)[0]
+    tails = prompts([3, 9, 1, 14, 6], 50)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+
+    def run(caching: bool):
+        engine = Engine(
+            EngineConfig(
+                model=str(tiny_dir),
+                dtype="bfloat16",
+                batch_invariant=True,
+                block_size=4,
+                num_kv_blocks=24,
+                max_num_batched_tokens=24,
+                max_num_seqs=8,
+                enable_prefix_caching=caching,
+            )
+        )
+        first, _ = run_all(engine, [system + [7]], params, ["first"])
+        out = {}
+        for rid, toks in zip("abcde", tails, strict=True):
+            engine.add_request(rid, system + toks, params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                ids, lps = out.setdefault(o.request_id, ([], []))
+                ids += o.new_token_ids
+                lps += o.new_logprobs
+        return first, out, engine.stats()
+
+    plain_first, plain, plain_stats = run(False)
+    first, cached, stats = run(True)
+    assert (first, cached) == (plain_first, plain)
+    assert plain_stats.num_prefix_hits == 0
+    assert stats.num_preemptions > 0  # 96 KV slots: 10 shared blocks + each request's own
+    # the first request computes everything; each later one finds at least the 10 full blocks
+    # of the system prompt (a preempted one may find its own blocks again)
+    assert stats.num_prefix_hits >= 5 * 40
+
+
 def test_min_tokens_masks_stop_ids_until_reached(tiny_dir):
     engine = tiny_engine(tiny_dir)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
