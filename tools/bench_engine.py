@@ -12,16 +12,15 @@ Writes engine.md and engine.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import time
-from pathlib import Path
 
 from tools import bench_engine_hf
 from tools.bench_engine_report import markdown
 from tools.bench_engine_workload import SHAPES, make_workload, padded_batches, padding_context
+from tools.bench_files import write_results
 
 PREFILL_LENS = (128, 512, 2048)
 MODES = ("continuous", "static", "static-admission")
@@ -301,11 +300,5 @@ def run(args: argparse.Namespace) -> int:
         del engine  # its KV pools are not needed any more
         bench_transformers(args, vocab, decode_n, res)
         section_done("transformers")
-    table = markdown(res)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "engine.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "engine.md").write_text(table)
-    print(table)
-    print(f"wrote {out / 'engine.md'} and {out / 'engine.json'}")
+    write_results(args.out, "engine", res, markdown(res))
     return 0

@@ -13,13 +13,12 @@ Writes invariant.md and invariant.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from pathlib import Path
 
 from tools.bench_engine import bench_prefill, bench_single_decode, run_workload
 from tools.bench_engine_workload import make_workload
+from tools.bench_files import write_results
 
 CHECK_TEXTS = (
     "Once upon a time, in a small village at the edge of a great forest, there lived",
@@ -114,13 +113,7 @@ def run(args: argparse.Namespace) -> int:
             engine, args.check_tokens
         )
     res["wall_s"] = round(time.perf_counter() - t0, 1)
-    table = markdown(res)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "invariant.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "invariant.md").write_text(table)
-    print(table)
-    print(f"wrote {out / 'invariant.md'} and {out / 'invariant.json'}")
+    write_results(args.out, "invariant", res, markdown(res))
     return 0
 
 

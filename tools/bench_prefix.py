@@ -11,12 +11,12 @@ aggregate tok/s and the cache's hit rate. Writes prefix.md and prefix.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import time
-from pathlib import Path
+
+from tools.bench_files import write_results
 
 
 def register(subparsers) -> None:
@@ -107,13 +107,7 @@ def run(args: argparse.Namespace) -> int:
             "tok_per_s": round(tokens[mode] / wall[mode], 1),
             "prefix_hit_rate": round(stats.num_prefix_hits / max(stats.num_prefix_queries, 1), 3),
         }
-    table = markdown(res)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "prefix.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "prefix.md").write_text(table)
-    print(table)
-    print(f"wrote {out / 'prefix.md'} and {out / 'prefix.json'}")
+    write_results(args.out, "prefix", res, markdown(res))
     return 0
 
 

@@ -11,6 +11,16 @@ from tests.engine.tiny_llama import write_tiny_llama
 
 PROMPT_LENS = [3, 17, 40, 9, 25, 60, 5, 33]  # eight requests of different lengths
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+TEXTS = [  # SmolLM2 prompts of different lengths and kinds
+    "The capital of France is",
+    "Write a haiku about the sea. It goes",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village at the edge of a great forest, there lived",
+    "The three primary colors are",
+    "Hello",
+    "A list of fruits: apple, banana,",
+]
 
 
 @pytest.fixture(scope="module")
@@ -156,17 +166,7 @@ def test_smollm2_greedy_same_alone_and_batched_with_chunks_and_preemption():
         )
     )
     tok = engine.tokenizer
-    texts = [
-        "The capital of France is",
-        "Write a haiku about the sea. It goes",
-        "1, 2, 3, 4,",
-        "def fibonacci(n):",
-        "Once upon a time, in a small village at the edge of a great forest, there lived",
-        "The three primary colors are",
-        "Hello",
-        "A list of fruits: apple, banana,",
-    ]
-    toks = [tok.encode(t) for t in texts]
+    toks = [tok.encode(t) for t in TEXTS]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     batched, _ = run_all(engine, toks, params)
     assert engine.stats().num_preemptions > 0  # 160 KV slots for ~90 prompt + 64 new tokens
@@ -192,22 +192,12 @@ def test_smollm2_bf16_batch_invariant_gives_the_same_bits_alone_batched_and_pree
         )
     )
     tok = engine.tokenizer
-    texts = [
-        "Once upon a time, in a small village at the edge of a great forest, there lived",
-        "The capital of France is",
-        "Write a haiku about the sea. It goes",
-        "1, 2, 3, 4,",
-        "def fibonacci(n):",
-        "The three primary colors are",
-        "Hello",
-        "A list of fruits: apple, banana,",
-    ]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
-    seeded = dataclasses.replace(greedy, temperature=0.8, top_p=0.9)  # odd texts: sampled
+    seeded = dataclasses.replace(greedy, temperature=0.8, top_p=0.9)  # odd TEXTS: sampled
 
     def run(requests):  # -> {request id: (token ids, logprobs)}
         for rid, text in requests:
-            i = texts.index(text)
+            i = TEXTS.index(text)
             params = dataclasses.replace(seeded, seed=i) if i % 2 else greedy
             engine.add_request(rid, tok.encode(text), params)
         out = {rid: ([], []) for rid, _ in requests}
@@ -217,11 +207,11 @@ def test_smollm2_bf16_batch_invariant_gives_the_same_bits_alone_batched_and_pree
                 out[o.request_id][1].extend(o.new_logprobs)
         return out
 
-    batched = run([(f"b{i}", t) for i, t in enumerate(texts)])
+    batched = run([(f"b{i}", t) for i, t in enumerate(TEXTS)])
     assert engine.stats().num_preemptions > 0  # 192 KV slots for ~90 prompt + 192 new tokens
-    for i, text in enumerate(texts):
-        assert run([(f"a{i}", text)])[f"a{i}"] == batched[f"b{i}"], texts[i]
-    assert tok.decode(batched["b1"][0]).strip().startswith("Paris")  # seeded, yet sure of it
+    for i, text in enumerate(TEXTS):
+        assert run([(f"a{i}", text)])[f"a{i}"] == batched[f"b{i}"], text
+    assert tok.decode(batched["b0"][0]).strip().startswith("Paris")
 
 
 def test_prefix_caching_reuses_blocks_and_changes_no_bit(tiny_dir):
