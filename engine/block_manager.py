@@ -4,8 +4,11 @@ Token position p of a sequence lives in block `block_table[p // block_size]` at 
 `p % block_size`, i.e. at slot `block_id * block_size + offset` of the flat KV pools. A block
 returns to the free list when its last reference is dropped; free blocks are reused oldest first.
 
-Prefix caching (optional, as vLLM's): a full computed block is registered under a hash of every
-token up to its end (a chain: sha256 of the previous block's hash and this block's tokens). A
+Prefix caching (optional, as vLLM's): a full computed block is registered under a hash of its
+sequence's cache domain and every token up to its end (a chain: sha256 of the previous block's
+hash and this block's tokens, rooted in the domain, e.g. the tenant: another domain's prompts
+are never matched, so cache timing says nothing across tenants). The model, tokenizer and KV
+dtype are the engine's own, and a block's place in the chain fixes its positions. A
 freed block keeps its K/V and its hash until it is reused, so a later sequence whose prompt
 starts with the same full blocks takes them instead of computing them again, whether they are
 still held by another sequence or already free. Only full blocks are shared, and a sequence
@@ -19,18 +22,21 @@ import struct
 
 from engine.sequence import Sequence
 
-_ROOT = b"brigade-prefix"
-
 
 def block_hashes(
-    token_ids: list[int], block_size: int, known: list[bytes], num_blocks: int | None = None
+    token_ids: list[int],
+    block_size: int,
+    known: list[bytes],
+    num_blocks: int | None = None,
+    domain: str = "",
 ) -> list[bytes]:
-    """The chain hashes of the first `num_blocks` (default: every) full blocks of `token_ids`;
-    `known`, the hashes already computed for a prefix of them, is extended in place."""
+    """The chain hashes of the first `num_blocks` (default: every) full blocks of `token_ids`
+    in cache domain `domain`; `known`, the hashes already computed for a prefix of them, is
+    extended in place."""
     full = len(token_ids) // block_size
     for i in range(len(known), full if num_blocks is None else min(num_blocks, full)):
         block = token_ids[i * block_size : (i + 1) * block_size]
-        parent = known[-1] if known else _ROOT
+        parent = known[-1] if known else hashlib.sha256(domain.encode()).digest()
         known.append(hashlib.sha256(parent + struct.pack(f"<{block_size}q", *block)).digest())
     return known
 
@@ -98,7 +104,9 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0, "take for a fresh sequence"
         if not self.enable_prefix_caching:
             return 0
-        hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+        hashes = block_hashes(
+            seq.token_ids, self.block_size, seq.block_hashes, domain=seq.cache_domain
+        )
         usable = (seq.num_tokens - 1) // self.block_size  # the last token is always computed
         for h in hashes[:usable]:
             block_id = self._cached.get(h)
@@ -116,7 +124,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, num_full)
+        hashes = block_hashes(
+            seq.token_ids, self.block_size, seq.block_hashes, num_full, seq.cache_domain
+        )
         for block_id, h in zip(seq.block_table[:num_full], hashes[:num_full], strict=True):
             if self._hash_of[block_id] is None and h not in self._cached:
                 self._cached[h] = block_id

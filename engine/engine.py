@@ -130,8 +130,12 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        cache_domain: str = "",
     ) -> int:
-        """Queue a request; returns the seed it samples with. ValueError if it can never run."""
+        """Queue a request; returns the seed it samples with. ValueError if it can never run.
+
+        cache_domain: with prefix caching, the request reuses only K/V computed for requests of
+        the same domain (give each tenant its own, as vLLM's `cache_salt`)."""
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         vocab = self.model_config.vocab_size
@@ -159,6 +163,7 @@ class Engine:
             seed=seed,
             arrival=next(self._arrivals),
             priority=priority,
+            cache_domain=cache_domain,
         )
         self._seqs[request_id] = seq
         self._generators[request_id] = torch.Generator(self.device).manual_seed(seed)

@@ -34,6 +34,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_preemptions: int = 0
+    cache_domain: str = ""  # prefix-cache domain (a tenant): only its own prefixes match
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain, full blocks
 
     def __post_init__(self) -> None:

@@ -214,6 +214,7 @@ class EngineStage:
                     run.event.prompt_token_ids + run.output_ids,
                     run.params,
                     priority,
+                    cache_domain=run.event.tenant or "",  # no prefix is shared across tenants
                 )
                 run.added_ns = time.monotonic_ns()
             except ValueError as err:

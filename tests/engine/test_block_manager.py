@@ -116,3 +116,16 @@ def test_without_prefix_caching_nothing_is_cached():
     a = prompt_seq(range(10), "a")
     computed(bm, a)
     assert bm.num_cached_blocks == 0 and bm.take_cached_prefix(prompt_seq(range(10), "b")) == 0
+
+
+def test_prefixes_are_shared_only_within_a_cache_domain():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = prompt_seq(range(10), "a")
+    a.cache_domain = "tenant-a"
+    computed(bm, a)
+    other = prompt_seq(range(10), "b")
+    other.cache_domain = "tenant-b"  # the same tokens in another domain: no match
+    assert bm.take_cached_prefix(other) == 0
+    same = prompt_seq(range(10), "c")
+    same.cache_domain = "tenant-a"
+    assert bm.take_cached_prefix(same) == 8 and same.block_table == [0, 1]
