@@ -20,6 +20,7 @@ from engine.params import SamplingParams
 from engine.sampler import SamplingRequest, sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
+from engine.spec_decode import propose_ngram
 from engine.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,11 +43,25 @@ class EngineConfig:
     batch_invariant: bool = False
     # reuse the K/V of full blocks a prompt shares with earlier ones (see block_manager.py)
     enable_prefix_caching: bool = False
+    # speculative decoding with the n-gram proposer (spec_decode.py): draft tokens per step for
+    # greedy requests; 0 turns it off. Drafts are given while a step holds at most
+    # speculative_max_rows decode rows (on the CPU: 8, the int4 GEMV regime, where a few more
+    # rows cost almost nothing)
+    num_speculative_tokens: int = 0
+    speculative_max_rows: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype={self.dtype!r}; allowed: {sorted(DTYPES)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("num_speculative_tokens",):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)}; allowed: >= 0")
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "speculative_max_rows",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)}; allowed: >= 1")
         for name in ("kv_cache_memory_bytes", "num_kv_blocks", "max_model_len"):
@@ -65,6 +80,8 @@ class EngineStats:
     num_preemptions: int
     num_prefix_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
     num_prefix_hits: int = 0  # of those, tokens whose cached K/V were reused
+    num_draft_tokens: int = 0  # speculative tokens verified
+    num_accepted_draft_tokens: int = 0  # of those, tokens the model agreed with
 
 
 @dataclass(frozen=True)
@@ -174,16 +191,57 @@ class Engine:
         """One iteration: schedule -> run -> sample -> update. Outputs only for requests that
         got a token or ended (aborts since the last step first)."""
         outputs, self._aborted = self._aborted, []
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._drafts())
         if batch.is_empty:
             return outputs
-        logits = self.runner.run(batch.scheduled)  # [num_sampling, vocab] or None
+        logits = self.runner.run(batch.scheduled)  # [num_sampled_rows, vocab] or None
         token_ids, logprobs = [], None
         if logits is not None:
-            requests = [self._sampling_request(s.seq) for s in batch.scheduled if s.samples]
+            requests = [
+                request
+                for s in batch.scheduled
+                if s.samples
+                for request in [self._sampling_request(s.seq)] * s.num_sampled_rows
+            ]
             token_ids, logprobs = sample(logits, requests)
         updated = self.scheduler.update(batch, token_ids, logprobs, self.model_config.eos_token_id)
-        return outputs + [self._emit(seq) for seq in updated]
+        return outputs + [self._emit(seq, n) for seq, n in updated]
+
+    def _drafts(self) -> dict[str, list[int]]:
+        """N-gram drafts for the running greedy decodes, in scheduling order, while the step's
+        decode rows stay within speculative_max_rows. Only requests whose next tokens depend on
+        the logits alone get one (greedy, no penalties, past min_tokens): the draft is then
+        verified exactly by comparing it with the argmax at each position."""
+        k = self.config.num_speculative_tokens
+        if k == 0:
+            return {}
+        running = self.scheduler.running
+        rows = sum(1 for seq in running if seq.num_uncomputed_tokens == 1)
+        drafts: dict[str, list[int]] = {}
+        for seq in sorted(running, key=lambda s: s.sort_key):
+            p = seq.params
+            if (
+                seq.num_uncomputed_tokens != 1
+                or not p.greedy
+                or p.repetition_penalty != 1.0
+                or p.presence_penalty
+                or p.frequency_penalty
+                or seq.num_output_tokens < p.min_tokens
+            ):
+                continue
+            room = min(
+                k,
+                self.config.speculative_max_rows - rows,
+                p.max_tokens - seq.num_output_tokens - 1,  # the last token needs no draft
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            if room < 1:
+                continue
+            draft = propose_ngram(seq.token_ids, room)
+            if draft:
+                drafts[seq.request_id] = draft
+                rows += len(draft)
+        return drafts
 
     def _sampling_request(self, seq: Sequence) -> SamplingRequest:
         p = seq.params
@@ -200,21 +258,22 @@ class Engine:
             stop_ids_while_short=stop_ids,
         )
 
-    def _emit(self, seq: Sequence) -> StepOutput:
-        """The output of a sequence that just got a token; a finished one is forgotten."""
+    def _emit(self, seq: Sequence, num_new: int) -> StepOutput:
+        """The output of a sequence that just got `num_new` tokens (more than one when a draft
+        was accepted); a finished one is forgotten."""
         if seq.is_finished:
             del self._seqs[seq.request_id]
             del self._generators[seq.request_id]
         want_logprobs = seq.params.logprobs is not None and seq.logprobs
         return StepOutput(
             request_id=seq.request_id,
-            new_token_ids=[seq.token_ids[-1]],
+            new_token_ids=seq.token_ids[-num_new:],
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             seed=seq.seed,
-            new_logprobs=[seq.logprobs[-1]] if want_logprobs else None,
+            new_logprobs=seq.logprobs[-num_new:] if want_logprobs else None,
         )
 
     def abort_request(self, request_id: str) -> bool:
@@ -252,4 +311,6 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_queries=self.scheduler.num_prefix_queries,
             num_prefix_hits=self.scheduler.num_prefix_hits,
+            num_draft_tokens=self.scheduler.num_draft_tokens,
+            num_accepted_draft_tokens=self.scheduler.num_accepted_draft_tokens,
         )

@@ -2,7 +2,7 @@
 
 The batch is the scheduled sequences' new tokens concatenated in order (no padding). Inputs are
 built as Python lists and copied to the device once per tensor; logits are computed only for
-the last token of each sequence that samples this step.
+the last token of each sequence that samples this step, and for each of its draft tokens.
 """
 
 from __future__ import annotations
@@ -46,13 +46,14 @@ class ModelRunner:
         logits_indices: list[int] = []
         for s in scheduled:
             end = s.start + s.num_new_tokens
-            input_ids += s.seq.token_ids[s.start : end]
+            input_ids += s.seq.token_ids[s.start : s.start + s.num_real_tokens]
+            input_ids += s.draft  # speculative tokens go after the real ones
             positions += range(s.start, end)
             slot_mapping += self.block_manager.slot_mapping(s.seq, s.start, end)
             query_lens.append(s.num_new_tokens)
             seq_lens.append(end)
-            if s.samples:
-                logits_indices.append(len(input_ids) - 1)
+            rows = s.num_sampled_rows  # the last real token's row, then each draft token's
+            logits_indices += range(len(input_ids) - rows, len(input_ids))
         width = max(len(s.seq.block_table) for s in scheduled)
         # padding entries of a block table are -1 (never read: seq_lens bounds every lookup)
         tables = [s.seq.block_table + [-1] * (width - len(s.seq.block_table)) for s in scheduled]

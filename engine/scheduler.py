@@ -7,6 +7,8 @@ preemption alike. Order is (priority, arrival): interactive before batch, FCFS w
 Every running sequence is guaranteed at least one token per step, so a long prompt being
 prefilled in chunks never stalls the decodes running beside it. When blocks run out, the last
 sequence in that order is preempted by recompute: its blocks are freed and it waits again.
+A decode may carry a speculative draft (engine/spec_decode.py): its tokens are computed in the
+same chunk and verified in `update`, token by token, against what the model sampled.
 """
 
 from __future__ import annotations
@@ -39,12 +41,22 @@ class SchedulerConfig:
 class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step (num_computed_tokens before the step)
-    num_new_tokens: int
+    num_new_tokens: int  # the sequence's own tokens plus the draft's
+    draft: tuple[int, ...] = ()  # speculative tokens after the last one (decodes only)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return self.num_new_tokens - len(self.draft)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the last token, so the step samples the next one."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_real_tokens == self.seq.num_tokens
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows of logits this chunk gets: its last token's, then one per draft token."""
+        return 1 + len(self.draft) if self.samples else 0
 
 
 @dataclass
@@ -70,6 +82,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found cached (not computed again)
+        self.num_draft_tokens = 0  # speculative tokens verified
+        self.num_accepted_draft_tokens = 0  # of those, tokens the model agreed with
 
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING and not seq.block_table
@@ -78,16 +92,27 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """drafts: speculative tokens per request id, for running decodes; a draft is cut to
+        the budget, and dropped when its blocks would not fit."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: s.sort_key)
+        drafts = drafts or {}
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             reserved = len(self.running) - i - 1  # one token for each running seq after this one
             num_new = min(seq.num_uncomputed_tokens, budget - reserved)
             assert num_new >= 1, f"running seq {seq.request_id} got {num_new} tokens"
+            draft = drafts.get(seq.request_id, [])
+            if draft and seq.num_uncomputed_tokens == 1:
+                draft = draft[: max(0, budget - reserved - num_new)]
+                if draft and self.block_manager.can_allocate(seq, num_new + len(draft)):
+                    self._schedule(out, seq, num_new + len(draft), tuple(draft))
+                    budget -= num_new + len(draft)
+                    i += 1
+                    continue
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running.pop()  # last in (priority, arrival) order
                 self._preempt(victim)
@@ -129,9 +154,11 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _schedule(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+    def _schedule(
+        self, out: SchedulerOutput, seq: Sequence, num_new: int, draft: tuple[int, ...] = ()
+    ) -> None:
         self.block_manager.allocate(seq, num_new)
-        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, draft))
 
     def _unschedule(self, out: SchedulerOutput, seq: Sequence) -> int:
         for k, s in enumerate(out.scheduled):
@@ -152,30 +179,41 @@ class Scheduler:
         sampled_token_ids: list[int],
         logprobs: list[list[tuple[int, float]]] | None,
         eos_token_id: int,
-    ) -> list[Sequence]:
+    ) -> list[tuple[Sequence, int]]:
         """Advance computed tokens, append sampled tokens, finish stopped sequences.
 
-        `sampled_token_ids` holds one token per scheduled seq whose chunk `samples`, in order.
-        Returns the sequences that received a token this step.
+        `sampled_token_ids` holds `num_sampled_rows` tokens per scheduled seq, in order: for a
+        decode with a draft, the model's token after each position. The draft is verified: its
+        tokens stand while they equal the model's, then the model's own next token follows.
+        Returns (sequence, tokens it received) for the sequences that received any.
         """
         updated = []
         k = 0
         for s in out.scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
+            seq.num_computed_tokens += s.num_real_tokens
             self.block_manager.cache_full_blocks(seq)
-            if not s.samples:
-                continue
-            token_id = sampled_token_ids[k]
-            if logprobs is not None and seq.params.logprobs is not None:
-                seq.logprobs.append(logprobs[k])
-            k += 1
-            seq.append_token(token_id)
-            reason = self._stop_reason(seq, token_id, eos_token_id)
-            if reason is not None:
-                self.finish(seq, reason)
-            updated.append(seq)
-        assert k == len(sampled_token_ids), f"{len(sampled_token_ids)} tokens for {k} samplers"
+            rows = s.num_sampled_rows
+            targets, k = sampled_token_ids[k : k + rows], k + rows
+            num_received = 0
+            for j, token_id in enumerate(targets):
+                if logprobs is not None and seq.params.logprobs is not None:
+                    seq.logprobs.append(logprobs[k - rows + j])
+                seq.append_token(token_id)
+                num_received += 1
+                reason = self._stop_reason(seq, token_id, eos_token_id)
+                if reason is not None:
+                    self.finish(seq, reason)
+                    break
+                if j == len(s.draft) or s.draft[j] != token_id:
+                    break  # the rest of the draft was computed on a wrong token: dropped
+                seq.num_computed_tokens += 1  # the draft token's K/V were the right ones
+                self.block_manager.cache_full_blocks(seq)
+                self.num_accepted_draft_tokens += 1
+            self.num_draft_tokens += len(s.draft)
+            if num_received:
+                updated.append((seq, num_received))
+        assert k == len(sampled_token_ids), f"{len(sampled_token_ids)} tokens for {k} rows"
         return updated
 
     def _stop_reason(self, seq: Sequence, token_id: int, eos_token_id: int) -> str | None:

@@ -87,7 +87,7 @@ def _flag(text: str) -> bool:
 
 def engine_config_from_env() -> Any:
     """EngineConfig from BRIGADE_* variables (model, dtype, device, KV budget, batch limits,
-    batch-invariant mode, prefix caching)."""
+    batch-invariant mode, prefix caching, speculative decoding)."""
     from engine import EngineConfig
 
     env = os.environ
@@ -103,6 +103,7 @@ def engine_config_from_env() -> Any:
         ("BRIGADE_MAX_MODEL_LEN", "max_model_len", int),
         ("BRIGADE_BATCH_INVARIANT", "batch_invariant", _flag),
         ("BRIGADE_PREFIX_CACHING", "enable_prefix_caching", _flag),
+        ("BRIGADE_NUM_SPECULATIVE_TOKENS", "num_speculative_tokens", int),
     ):
         if env.get(key):
             try:

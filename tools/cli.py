@@ -25,6 +25,7 @@ BENCH = [
     "tools.bench_engine",
     "tools.bench_invariant",
     "tools.bench_prefix",
+    "tools.bench_spec",
     "tools.bench_load",
     "tools.bench_hops",
 ]

@@ -185,3 +185,38 @@ def test_max_model_len_finishes_with_length():
 def test_config_rejects_budget_below_max_num_seqs():
     with pytest.raises(ValueError, match="max_num_batched_tokens=4 < max_num_seqs=8"):
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4, max_model_len=64)
+
+
+def test_a_draft_is_scheduled_and_verified_token_by_token():
+    sched = make_scheduler(budget=16)
+    arr = Arrivals(sched)
+    a = arr.add("a", 5, temperature=0.0, stop_token_ids=(77,))
+    step(sched, token=50)  # prefill, then the first output token
+    assert (a.num_computed_tokens, a.output_token_ids) == (5, [50])
+    # draft 60 61 62 after 50: the model agrees with 60 and 61, then says 70 (not 62)
+    out = sched.schedule({"a": [60, 61, 62]})
+    (s,) = out.scheduled
+    assert (s.start, s.num_new_tokens, s.draft, s.num_sampled_rows) == (5, 4, (60, 61, 62), 4)
+    updated = sched.update(out, [60, 61, 70, 99], None, EOS)
+    assert updated == [(a, 3)] and a.output_token_ids == [50, 60, 61, 70]
+    assert a.num_computed_tokens == 8  # 50, 60, 61 have K/V; 70 (and the dropped 62) not
+    assert (sched.num_draft_tokens, sched.num_accepted_draft_tokens) == (3, 2)
+    # a stop id inside an agreed draft ends the request there; the rest is dropped
+    out = sched.schedule({"a": [71, 77, 72]})
+    assert sched.update(out, [71, 77, 72, 73], None, EOS) == [(a, 2)]
+    assert a.output_token_ids == [50, 60, 61, 70, 71, 77] and a.finish_reason == "stop"
+    assert a.block_table == [] and sched.block_manager.num_free_blocks == 32
+
+
+def test_a_draft_that_does_not_fit_the_budget_is_cut():
+    sched = make_scheduler(budget=4)
+    arr = Arrivals(sched)
+    a, b = arr.add("a", 2, temperature=0.0), arr.add("b", 2, temperature=0.0)
+    step(sched)
+    assert a.output_token_ids == b.output_token_ids == [100]
+    out = sched.schedule({"a": [5, 6, 7, 8]})  # 4 tokens: 1 for b, a's own, two of its draft
+    assert [(s.seq.request_id, s.num_new_tokens, s.draft) for s in out.scheduled] == [
+        ("a", 3, (5, 6)),
+        ("b", 1, ()),
+    ]
+    assert b.num_computed_tokens == 2

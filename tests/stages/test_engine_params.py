@@ -69,6 +69,9 @@ def test_engine_config_from_the_environment(monkeypatch):
     monkeypatch.setenv("BRIGADE_PREFIX_CACHING", "1")
     assert engine_config_from_env().enable_prefix_caching is True
     monkeypatch.delenv("BRIGADE_PREFIX_CACHING")
+    monkeypatch.setenv("BRIGADE_NUM_SPECULATIVE_TOKENS", "4")
+    assert engine_config_from_env().num_speculative_tokens == 4
+    monkeypatch.delenv("BRIGADE_NUM_SPECULATIVE_TOKENS")
     monkeypatch.setenv("BRIGADE_MAX_NUM_SEQS", "four")
     with pytest.raises(ValueError, match="BRIGADE_MAX_NUM_SEQS='four'"):
         engine_config_from_env()
