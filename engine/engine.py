@@ -11,14 +11,15 @@ import secrets
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from engine.block_manager import BlockManager
 from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.params import SamplingParams
-from engine.sampler import SamplingRequest, sample
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sampler import SamplingRequest, sample, top_logprobs, verify_draft
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.spec_decode import propose_ngram
 from engine.tokenizer import load_tokenizer
@@ -197,21 +198,43 @@ class Engine:
         logits = self.runner.run(batch.scheduled)  # [num_sampled_rows, vocab] or None
         token_ids, logprobs = [], None
         if logits is not None:
-            requests = [
-                request
-                for s in batch.scheduled
-                if s.samples
-                for request in [self._sampling_request(s.seq)] * s.num_sampled_rows
-            ]
-            token_ids, logprobs = sample(logits, requests)
+            token_ids, logprobs = self._sample(batch.scheduled, logits)
         updated = self.scheduler.update(batch, token_ids, logprobs, self.model_config.eos_token_id)
         return outputs + [self._emit(seq, n) for seq, n in updated]
 
+    def _sample(
+        self, scheduled: list[ScheduledSeq], logits: Tensor
+    ) -> tuple[list[int], list[list[tuple[int, float]] | None] | None]:
+        """One token per row of logits. A greedy draft's rows are plain argmaxes (the scheduler
+        compares them with the draft); a sampled draft is verified here by speculative sampling,
+        its rows after the first rejection left as placeholders the scheduler never reads."""
+        rows = [(s, self._sampling_request(s.seq)) for s in scheduled if s.samples]
+        requests = [req for s, req in rows for _ in range(s.num_sampled_rows)]
+        if not any(s.draft and not req.params.greedy for s, req in rows):
+            return sample(logits, requests)
+        token_ids, plain, start = [0] * len(requests), [], 0
+        for s, req in rows:
+            n = s.num_sampled_rows
+            if s.draft and not req.params.greedy:
+                got = verify_draft(logits[start : start + n], list(s.draft), req)
+                token_ids[start : start + len(got)] = got
+            else:
+                plain += range(start, start + n)
+            start += n
+        if plain:
+            drawn, _ = sample(logits[plain], [requests[i] for i in plain])
+            for i, t in zip(plain, drawn, strict=True):
+                token_ids[i] = t
+        logprobs = None
+        if any(r.params.logprobs is not None for r in requests):
+            logprobs = top_logprobs(logits, torch.tensor(token_ids, device=logits.device), requests)
+        return token_ids, logprobs
+
     def _drafts(self) -> dict[str, list[int]]:
-        """N-gram drafts for the running greedy decodes, in scheduling order, while the step's
-        decode rows stay within speculative_max_rows. Only requests whose next tokens depend on
-        the logits alone get one (greedy, no penalties, past min_tokens): the draft is then
-        verified exactly by comparing it with the argmax at each position."""
+        """N-gram drafts for the running decodes, in scheduling order, while the step's decode
+        rows stay within speculative_max_rows. Only requests whose next tokens depend on their
+        own position's logits alone get one (no penalties, past min_tokens): a greedy draft is
+        verified against the argmax at each position, a sampled one by speculative sampling."""
         k = self.config.num_speculative_tokens
         if k == 0:
             return {}
@@ -222,7 +245,6 @@ class Engine:
             p = seq.params
             if (
                 seq.num_uncomputed_tokens != 1
-                or not p.greedy
                 or p.repetition_penalty != 1.0
                 or p.presence_penalty
                 or p.frequency_penalty

@@ -128,6 +128,46 @@ def draw(logits: Tensor, generators: list[torch.Generator | None]) -> Tensor:
     return token_ids.clamp_max(logits.shape[-1] - 1)
 
 
+def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """[n, vocab] logits of one request -> the distribution its draw samples from: temperature,
+    top-k, top-p and min-p applied, as in `sample` (float32, rows sum to 1)."""
+    n, vocab = logits.shape
+    dev = logits.device
+    x = logits / params.temperature
+    if params.top_k is not None:
+        x = apply_top_k(x, torch.full((n,), min(params.top_k, vocab), device=dev))
+    if params.top_p < 1.0:
+        x = apply_top_p(x, torch.full((n,), params.top_p, device=dev))
+    if params.min_p > 0.0:
+        x = apply_min_p(x, torch.full((n,), params.min_p, device=dev))
+    return x.softmax(dim=-1)
+
+
+def verify_draft(
+    logits: Tensor, draft: list[int], request: SamplingRequest
+) -> list[int]:  # logits [len(draft) + 1, vocab]: after the real token, then after each draft's
+    """Speculative sampling for a sampled (temperature > 0) request whose draft came from a
+    deterministic proposer. Draft token d at row j stands with probability p_j(d); the first one
+    rejected is replaced by a draw from p_j without d (renormalized), and when all stand a last
+    token is drawn from the final row. Each token so produced is distributed exactly as the
+    request's own sampling would draw it (the speculative sampling theorem, with a one-hot draft
+    distribution). Returns the tokens in order: the accepted drafts, then one more."""
+    probs = filtered_probs(logits, request.params).double()  # [m + 1, vocab]
+    gen = request.generator
+    out: list[int] = []
+    for j, d in enumerate(draft):
+        u = torch.rand((), generator=gen, dtype=torch.float64, device=probs.device)
+        if u < probs[j, d]:
+            out.append(d)
+            continue
+        residual = probs[j].clone()
+        residual[d] = 0.0
+        out.append(int(torch.multinomial(residual, 1, generator=gen)))
+        return out
+    out.append(int(torch.multinomial(probs[-1], 1, generator=gen)))
+    return out
+
+
 def top_logprobs(
     logits: Tensor, token_ids: Tensor, requests: list[SamplingRequest]
 ) -> list[list[tuple[int, float]] | None]:

@@ -114,3 +114,16 @@ def test_bad_speculation_settings_are_refused():
         EngineConfig(num_speculative_tokens=-1)
     with pytest.raises(ValueError, match="EngineConfig.speculative_max_rows=0; allowed: >= 1"):
         EngineConfig(speculative_max_rows=0)
+
+
+def test_sampled_requests_speculate_and_a_seed_still_fixes_the_run(tiny_dir):
+    """Sampled rows verify their drafts by speculative sampling (its distribution is checked in
+    test_sampler.py): drafts are accepted, and the same seed gives the same tokens again. (The
+    random stream is consumed differently than without speculation, so a seed's tokens with and
+    without it need not match.)"""
+    params = SamplingParams(temperature=0.3, seed=5, max_tokens=40, ignore_eos=True)
+    engine = tiny_engine(tiny_dir, 4)
+    ((first, _, sizes),) = run(engine, [LOOPING], params)
+    ((again, _, _),) = run(engine, [LOOPING], params)
+    assert first == again and len(first) == 40
+    assert engine.stats().num_accepted_draft_tokens > 0 and max(sizes) > 1
