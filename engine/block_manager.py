@@ -117,6 +117,7 @@ class BlockManager:
             self.ref_counts[block_id] += 1
             seq.block_table.append(block_id)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_offered_blocks = len(seq.block_table)  # found there: registered already
         return seq.num_computed_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -124,13 +125,17 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_offered_blocks:
+            return
         hashes = block_hashes(
             seq.token_ids, self.block_size, seq.block_hashes, num_full, seq.cache_domain
         )
-        for block_id, h in zip(seq.block_table[:num_full], hashes[:num_full], strict=True):
+        for i in range(seq.num_offered_blocks, num_full):
+            block_id, h = seq.block_table[i], hashes[i]
             if self._hash_of[block_id] is None and h not in self._cached:
                 self._cached[h] = block_id
                 self._hash_of[block_id] = h
+        seq.num_offered_blocks = num_full
 
     def fork(self, parent: Sequence, child: Sequence) -> int:
         """Share the parent's full computed blocks with a child (prefix sharing, no copy).
@@ -158,6 +163,7 @@ class BlockManager:
             if self.ref_counts[block_id] == 0:
                 self._free_block_ids[block_id] = None  # newest: reused (and evicted) last
         seq.block_table = []
+        seq.num_offered_blocks = 0
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Flat KV slots of token positions [start, end) of `seq`."""

@@ -36,6 +36,7 @@ class Sequence:
     num_preemptions: int = 0
     cache_domain: str = ""  # prefix-cache domain (a tenant): only its own prefixes match
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain, full blocks
+    num_offered_blocks: int = 0  # leading full blocks already offered to the prefix cache
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -93,5 +94,6 @@ class Sequence:
         """Preemption by recompute: drop all KV; prompt + output so far are prefilled again."""
         self.num_computed_tokens = 0
         self.block_table = []
+        self.num_offered_blocks = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
