@@ -18,8 +18,8 @@ from schemas.events import (
     RequestFailed,
     decoder_for,
 )
-from stages import idempotency, ratelimit, tenants
-from stages.runtime import StageContext, StageError, StageSpec
+from stages.runtime.worker import StageContext, StageError, StageSpec
+from stages.tenancy import idempotency, ratelimit, tenants
 
 STAGE = "auth"
 

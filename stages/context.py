@@ -25,7 +25,7 @@ from schemas.events import (
     RequestAuthorized,
     decoder_for,
 )
-from stages.runtime import StageContext, StageError, StageSpec
+from stages.runtime.worker import StageContext, StageError, StageSpec
 from stages.tokenize import served_model, tokenizer_for
 
 STAGE = "context"

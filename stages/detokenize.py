@@ -19,8 +19,8 @@ from schemas.events import (
     TokensGenerated,
     decoder_for,
 )
-from stages import runtime
-from stages.runtime import StageSpec
+from stages.runtime import worker as runtime
+from stages.runtime.worker import StageSpec
 
 STAGE = "detokenize"
 INPUTS = ("tokens", "finished")

@@ -29,8 +29,6 @@ from schemas.events import (
     Usage,
     decoder_for,
 )
-from stages.bus import BusConfig
-from stages.cpu_priority import CpuPriority, LowPriorityThreads
 from stages.detokenize import context_window
 from stages.engine_params import (
     AdmissionConfig,
@@ -38,7 +36,9 @@ from stages.engine_params import (
     engine_config_from_env,
     sampling_params,
 )
-from stages.runtime import StageError, StageSpec, StageWorker
+from stages.runtime.bus import BusConfig
+from stages.runtime.cpu_priority import CpuPriority, LowPriorityThreads
+from stages.runtime.worker import StageError, StageSpec, StageWorker
 
 STAGE = "engine"
 SWITCH_INTERVAL_S = 0.0005  # Python's default is 0.005: up to 5 ms before the loop gets the GIL
@@ -97,7 +97,7 @@ class EngineStage:
         priority: CpuPriority | None = None,
     ) -> None:
         self.engine = engine
-        # step() runs below the stages' event loops and nats-server (stages/cpu_priority.py)
+        # step() runs below the stages' event loops and nats-server (stages/runtime/cpu_priority.py)
         self._lowered = LowPriorityThreads(priority or CpuPriority.from_env())
         self.worker = worker
         self.bus = worker.bus
@@ -479,8 +479,8 @@ async def serve(
     admission: AdmissionConfig | None = None,
 ) -> None:
     """`brigade stage engine`: load the model (in a thread), then serve until `stop`."""
-    from stages.bus import Bus
-    from stages.runtime import stop_on_signal
+    from stages.runtime.bus import Bus
+    from stages.runtime.worker import stop_on_signal
 
     stop = stop or anyio.Event()
     # step() runs in a thread and holds the GIL between torch ops; a short switch interval lets

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas.events import Sampling
-from stages.runtime import StageError
+from stages.runtime.worker import StageError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,8 +24,8 @@ from schemas.events import (
     SubmitReply,
     encode,
 )
-from stages.runtime import StageError, StageSpec, error_field, new_request_id, read_envelope
-from stages.tenants import hash_key
+from stages.runtime.worker import StageError, StageSpec, error_field, new_request_id, read_envelope
+from stages.tenancy.tenants import hash_key
 
 STAGE = "gateway"
 MAX_TEXT_CHARS_ENV = "BRIGADE_MAX_SUBMIT_CHARS"

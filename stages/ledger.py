@@ -31,8 +31,9 @@ from schemas.events import (
     Usage,
     decoder_for,
 )
-from stages import idempotency, natsd, ratelimit
-from stages.runtime import StageContext, StageSpec
+from stages.runtime import natsd
+from stages.runtime.worker import StageContext, StageSpec
+from stages.tenancy import idempotency, ratelimit
 
 STAGE = "ledger"
 DB_ENV = "BRIGADE_LEDGER_DB"

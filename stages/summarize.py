@@ -26,7 +26,7 @@ from schemas.events import (
     Sampling,
     TextGenerated,
 )
-from stages.runtime import StageContext, StageError
+from stages.runtime.worker import StageContext, StageError
 
 TIMEOUT_ENV = "BRIGADE_SUMMARY_TIMEOUT_S"
 MAX_TOKENS_ENV = "BRIGADE_SUMMARY_MAX_TOKENS"

@@ -9,7 +9,7 @@ import os
 
 from engine.tokenizer import Tokenizer, load_tokenizer
 from schemas.events import ContextAssembled, Event, PromptTokenized, Request, decoder_for
-from stages.runtime import StageContext, StageError, StageSpec
+from stages.runtime.worker import StageContext, StageError, StageSpec
 
 STAGE = "tokenize"
 MODEL_ENV = "BRIGADE_MODEL"  # the engine's model; its tokenizer must be this stage's

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stages import natsd
-from stages.bus import BusConfig
+from stages.runtime import natsd
+from stages.runtime.bus import BusConfig
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ class Answer:
     """The run's events as they arrive: text released in seq order, each delta once."""
 
     def __init__(self, out=sys.stdout) -> None:
-        from stages.reorder import ReorderBuffer
+        from stages.edge.reorder import ReorderBuffer
 
         self.out = out
         self.texts = ReorderBuffer[str]()
@@ -85,7 +85,7 @@ async def ask(args, config, api_key: str | None, out=sys.stdout) -> tuple[Answer
 
     from schemas import subjects
     from schemas.events import CancelRequested, Message, Submit, decode_event, encode
-    from stages.bus import Bus
+    from stages.runtime.bus import Bus
 
     request_id = uuid.uuid4().hex
     submit = Submit(
@@ -165,8 +165,8 @@ def report(answer: Answer, sent_ns: int) -> str:
 def run(args) -> int:
     import anyio
 
-    from stages import tenants
-    from stages.bus import BusConfig
+    from stages.runtime.bus import BusConfig
+    from stages.tenancy import tenants
 
     try:
         config = BusConfig.from_env(args.nats_url)

@@ -13,21 +13,21 @@ COMMANDS = [
     "tools.status",
     "tools.schema",
     "tools.kv_estimate",
-    "tools.sql",
-    "tools.report",
-    "tools.trace",
-    "tools.replay",
+    "tools.log.sql",
+    "tools.log.report",
+    "tools.log.trace",
+    "tools.log.replay",
     "tools.keys",
     "tools.usage",
 ]
 BENCH = [
-    "tools.bench_pipeline",
-    "tools.bench_engine",
-    "tools.bench_invariant",
-    "tools.bench_prefix",
-    "tools.bench_spec",
-    "tools.bench_load",
-    "tools.bench_hops",
+    "tools.bench.pipeline",
+    "tools.bench.engine",
+    "tools.bench.invariant",
+    "tools.bench.prefix",
+    "tools.bench.spec",
+    "tools.bench.load",
+    "tools.bench.hops",
 ]
 
 

@@ -23,7 +23,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     import re
 
-    from stages import tenants
+    from stages.tenancy import tenants
 
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", args.tenant):
         print(

@@ -16,6 +16,11 @@ import sys
 PIPELINE = ("gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger")
 # Services beside the path, run when their module exists.
 EXTRAS = ("edge", "archiver")
+# Each service's module: the request's path is flat under stages/, the rest in its room.
+MODULES = {name: f"stages.{name}" for name in PIPELINE} | {
+    "edge": "stages.edge.app",
+    "archiver": "stages.eventlog.archiver",
+}
 # Off the request's path: their whole process runs at BRIGADE_BACKGROUND_CPU_PRIORITY.
 BACKGROUND = ("ledger", "archiver")
 
@@ -23,7 +28,7 @@ BACKGROUND = ("ledger", "archiver")
 def available() -> tuple[str, ...]:
     """Every stage whose module is present, pipeline first."""
     return tuple(
-        name for name in PIPELINE + EXTRAS if importlib.util.find_spec(f"stages.{name}") is not None
+        name for name in PIPELINE + EXTRAS if importlib.util.find_spec(MODULES[name]) is not None
     )
 
 
@@ -37,9 +42,9 @@ async def serve_stage(name: str, *, config, stop, ready=None, handle_signals=Tru
 
     `handle_signals=False` when several stages share a process and its owner handles signals.
     """
-    from stages import runtime
+    from stages.runtime import worker as runtime
 
-    module = importlib.import_module(f"stages.{name}")
+    module = importlib.import_module(MODULES[name])
     serve = getattr(module, "serve", None)
     if serve is not None:
         kwargs = {"config": config, "stop": stop, "ready": ready}
@@ -49,7 +54,7 @@ async def serve_stage(name: str, *, config, stop, ready=None, handle_signals=Tru
         return
     spec = getattr(module, "SPEC", None)
     if spec is None:
-        raise RuntimeError(f"stages/{name}.py defines neither SPEC nor serve()")
+        raise RuntimeError(f"{MODULES[name]} defines neither SPEC nor serve()")
     await runtime.serve(spec, config=config, stop=stop, ready=ready, handle_signals=handle_signals)
 
 
@@ -70,7 +75,7 @@ def run(args) -> int:
         return 2
     import anyio
 
-    from stages.bus import BusConfig
+    from stages.runtime.bus import BusConfig
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -79,7 +84,11 @@ def run(args) -> int:
     try:
         config = BusConfig.from_env(args.nats_url)
         if args.name in BACKGROUND:  # before any thread starts: every later one inherits it
-            from stages.cpu_priority import BACKGROUND_ENV, CpuPriority, apply_to_current_thread
+            from stages.runtime.cpu_priority import (
+                BACKGROUND_ENV,
+                CpuPriority,
+                apply_to_current_thread,
+            )
 
             apply_to_current_thread(CpuPriority.from_env(BACKGROUND_ENV))
     except (RuntimeError, ValueError) as err:

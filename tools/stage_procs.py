@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.request
 
-from stages.natsd import die_with_parent
+from stages.runtime.natsd import die_with_parent
 from tools.stage import command
 
 STOP_TIMEOUT_S = 15.0

@@ -32,7 +32,7 @@ async def collect(config, monitor_url: str | None) -> dict:
     from nats.js.errors import NotFoundError
 
     from schemas import subjects
-    from stages.bus import Bus
+    from stages.runtime.bus import Bus
 
     with anyio.fail_after(config.connect_timeout_s + 1):  # a dead server must not hang status
         bus = await Bus.connect(config, name="brigade-status")
@@ -130,8 +130,8 @@ def render(status: dict) -> str:
 def run(args) -> int:
     import anyio
 
-    from stages import natsd
-    from stages.bus import BusConfig
+    from stages.runtime import natsd
+    from stages.runtime.bus import BusConfig
 
     try:
         config = BusConfig.from_env(args.nats_url)

@@ -86,7 +86,7 @@ def _choose_stages(arg: str | None) -> tuple[str, ...]:
 
 async def _prepare_bus(config) -> None:
     """Streams, consumers' streams and KV buckets exist before any stage starts (idempotent)."""
-    from stages.bus import Bus
+    from stages.runtime.bus import Bus
 
     bus = await Bus.connect(config, name="brigade-up")
     try:
@@ -250,8 +250,9 @@ def _banner(plan: Plan) -> None:
 def run(args) -> int:
     import logging
 
-    from stages import natsd, tenants
-    from stages.bus import BusConfig
+    from stages.runtime import natsd
+    from stages.runtime.bus import BusConfig
+    from stages.tenancy import tenants
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -11,10 +11,10 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from stages import tenants
-from stages.bus import BusConfig
-from stages.edge import EdgeConfig, serve
-from stages.edge_keys import KeyRing
+from stages.edge.app import EdgeConfig, serve
+from stages.edge.keys import KeyRing
+from stages.runtime.bus import BusConfig
+from stages.tenancy import tenants
 
 ACME_KEY = "sk-acme-test-0123456789"
 GLOBEX_KEY = "sk-globex-test-9876543210"

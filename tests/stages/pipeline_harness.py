@@ -8,9 +8,9 @@ from pathlib import Path
 
 import anyio
 
-from stages import natsd
-from stages.bus import BusConfig
-from stages.edge_keys import KeyRing
+from stages.edge.keys import KeyRing
+from stages.runtime import natsd
+from stages.runtime.bus import BusConfig
 from tests.stages.edge_harness import MODEL, RunningEdge, running_edge
 from tools.stage import PIPELINE, serve_stage
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from schemas.events import Message, Request, RequestAccepted, Sampling
-from stages import auth, tenants
-from stages.runtime import StageError
+from stages import auth
+from stages.runtime.worker import StageError
+from stages.tenancy import tenants
 
 
 def accepted(key: str | None, *, model: str | None = None, max_tokens: int = 16, priority=None):

@@ -14,9 +14,10 @@ from schemas.events import (
     Sampling,
     decode_event,
 )
-from stages import auth, tenants
-from stages.bus import Bus
-from stages.runtime import serve
+from stages import auth
+from stages.runtime.bus import Bus
+from stages.runtime.worker import serve
+from stages.tenancy import tenants
 
 pytestmark = pytest.mark.anyio
 KEY = "brg-limits-test-key-000000000000"

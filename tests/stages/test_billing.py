@@ -18,10 +18,10 @@ from schemas.events import (
     decode_event,
 )
 from stages import ledger
-from stages.bus import Bus
-from stages.idempotency import IdempotencyStore, kv_key, request_hash
-from stages.ratelimit import Limits, RateLimiter
-from stages.runtime import serve
+from stages.runtime.bus import Bus
+from stages.runtime.worker import serve
+from stages.tenancy.idempotency import IdempotencyStore, kv_key, request_hash
+from stages.tenancy.ratelimit import Limits, RateLimiter
 
 pytestmark = pytest.mark.anyio
 USAGE = Usage(prompt_tokens=12, completion_tokens=5)

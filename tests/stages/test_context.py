@@ -14,9 +14,10 @@ from schemas.events import (
     RequestAuthorized,
     Sampling,
 )
-from stages import context, runtime, summarize
-from stages.bus import Bus, BusConfig
-from stages.runtime import StageError
+from stages import context, summarize
+from stages.runtime import worker as runtime
+from stages.runtime.bus import Bus, BusConfig
+from stages.runtime.worker import StageError
 from stages.tokenize import prompt_token_ids, tokenizer_for
 
 

@@ -207,8 +207,9 @@ async def test_stage_on_a_real_bus_publishes_texts_cancel_and_completed(bus_conf
 
     from schemas import subjects
     from schemas.events import decode_event
-    from stages import detokenize, runtime
-    from stages.bus import Bus
+    from stages import detokenize
+    from stages.runtime import worker as runtime
+    from stages.runtime.bus import Bus
 
     bus = await Bus.connect(bus_config)
     await bus.ensure_streams()

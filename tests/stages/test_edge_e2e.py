@@ -17,11 +17,12 @@ from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from schemas.events import Submit, TextGenerated, decode_event
-from stages import gateway, ledger, tenants
-from stages.admission import AdmissionConfig
-from stages.bus import Bus
-from stages.edge_keys import KeyRing
-from stages.idempotency import IdempotencyStore, request_hash
+from stages import gateway, ledger
+from stages.edge.admission import AdmissionConfig
+from stages.edge.keys import KeyRing
+from stages.runtime.bus import Bus
+from stages.tenancy import tenants
+from stages.tenancy.idempotency import IdempotencyStore, request_hash
 from tests.stages.edge_harness import ACME_KEY, GLOBEX_KEY, MODEL
 from tests.stages.pipeline_harness import running_pipeline
 

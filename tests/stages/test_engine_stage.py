@@ -18,9 +18,9 @@ from schemas.events import (
     decode_event,
 )
 from stages import engine as engine_stage
-from stages.bus import Bus
 from stages.detokenize import context_window
 from stages.engine_params import AdmissionConfig, derived_seed
+from stages.runtime.bus import Bus
 
 EVENTS = subjects.EVENTS_STREAM
 NUM_BLOCKS = 64  # 1024 tokens of KV at block_size 16
@@ -164,7 +164,7 @@ async def test_a_dead_workers_request_is_resumed_after_its_stored_tokens(
     """Worker 1 dies (connection gone, nothing acked) after 3 tokens; worker 2 gets the
     redelivery and continues at seq 3: every seq stored once, one `finished`, 6 tokens."""
     from stages.engine import EngineStage
-    from stages.runtime import StageWorker
+    from stages.runtime.worker import StageWorker
 
     monkeypatch.setenv("BRIGADE_ACK_WAIT_S", "2")
     client = await Bus.connect(bus_config)
@@ -206,7 +206,7 @@ async def test_a_rerun_that_samples_otherwise_continues_after_the_stored_tokens(
 ):
     """The dead worker stored 3 steps this engine would not sample (other numerics): the re-run
     keeps them, continues after them at seq 3, and stores each seq once."""
-    from stages.runtime import StageWorker
+    from stages.runtime.worker import StageWorker
 
     monkeypatch.setenv("BRIGADE_ACK_WAIT_S", "2")
     stored = engine.tokenizer.encode(" Blue, green and red")[:3]

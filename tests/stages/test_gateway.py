@@ -9,8 +9,9 @@ import msgspec
 import pytest
 
 from schemas.events import RequestAccepted, RequestFailed, Submit, decode_submit
-from stages import gateway, runtime
-from stages.bus import Bus, BusConfig
+from stages import gateway
+from stages.runtime import worker as runtime
+from stages.runtime.bus import Bus, BusConfig
 
 
 def submit_result(data: bytes) -> RequestAccepted | RequestFailed:

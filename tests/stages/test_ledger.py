@@ -11,8 +11,9 @@ import pytest
 
 from schemas import subjects
 from schemas.events import RequestFailed, RunBilled, RunCancelled, RunCompleted, Usage, encode
-from stages import ledger, runtime
-from stages.bus import Bus, BusConfig
+from stages import ledger
+from stages.runtime import worker as runtime
+from stages.runtime.bus import Bus, BusConfig
 
 
 def rows(path: Path) -> list[tuple]:

@@ -33,9 +33,10 @@ from schemas.events import (
     TokensGenerated,
     decode_event,
 )
-from stages import natsd, tenants
-from stages.bus import Bus, BusConfig
 from stages.ledger import connect as ledger_connect
+from stages.runtime import natsd
+from stages.runtime.bus import Bus, BusConfig
+from stages.tenancy import tenants
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 

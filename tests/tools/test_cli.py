@@ -42,7 +42,7 @@ def test_every_listed_module_registers_a_command():
     for command in ("up", "stage", "ask", "status", "schema"):
         args = parser.parse_args([command, "x"] if command in ("stage", "ask") else [command])
         assert args.func.__module__ == f"tools.{command}"
-    assert parser.parse_args(["bench", "pipeline"]).func.__module__ == "tools.bench_pipeline"
+    assert parser.parse_args(["bench", "pipeline"]).func.__module__ == "tools.bench.pipeline"
 
 
 def test_help_imports_no_heavy_library():

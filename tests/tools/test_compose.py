@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stages.bus import BusConfig
+from stages.runtime.bus import BusConfig
 from tests.stages import pipeline_harness, test_pipeline
 from tools import stage
 

@@ -1,7 +1,7 @@
 import subprocess
 import sys
 
-from stages import tenants
+from stages.tenancy import tenants
 from tools.cli import main
 
 

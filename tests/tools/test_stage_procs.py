@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.natsd import NatsServer
+from stages.runtime.natsd import NatsServer
 from tools.stage_procs import StageProcesses, connected
 
 

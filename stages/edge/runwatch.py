@@ -1,0 +1,187 @@
+"""Follow one run's events and yield its text deltas in `seq` order, then its terminal event.
+
+Live: a plain subscription on `llm.ev.<id>.>` made before the submit. Resume: an ordered
+consumer over the log from the start (then live), skipping seqs <= `starting_after` (-1: all). Gaps (a
+slow-consumer drop, a worker racing the terminal event) are filled from the log; every ordered
+consumer is unsubscribed when done, so nothing is left behind per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from schemas import subjects
+from schemas.events import (
+    AnyEvent,
+    RequestFailed,
+    RunCancelled,
+    RunCompleted,
+    TextGenerated,
+    decode_event,
+)
+from stages.edge.reorder import ReorderBuffer
+
+Terminal = RunCompleted | RunCancelled | RequestFailed
+TERMINAL_TAGS = ("completed", "cancelled", "failed")
+
+
+class DeltasMissing(TimeoutError):
+    """The run ended but some of its text deltas never reached the log in time."""
+
+
+class RunWatch:
+    def __init__(
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        request_id: str,
+        *,
+        starting_after: int | None = None,
+        idle_timeout_s: float = 300.0,
+        gap_timeout_s: float = 2.0,
+        poll_s: float = 5.0,
+        on_event: Callable[[AnyEvent, int], None] | None = None,
+    ) -> None:
+        self.nc, self.js, self.request_id = nc, js, request_id
+        start = 0 if starting_after is None else starting_after + 1
+        self.buffer = ReorderBuffer[TextGenerated](start=start)
+        self.idle_timeout_s = idle_timeout_s
+        self.gap_timeout_s = gap_timeout_s
+        self.poll_s = poll_s  # live and silent this long: look for the end in the log
+        self.on_event = on_event
+        self.terminal: Terminal | None = None
+        self.idempotency_key: str | None = None  # set by the edge for a keyed run
+        self.num_gap_fills = 0
+        self._replay = starting_after is not None
+        self._sub = None
+
+    async def start(self) -> None:
+        """Subscribe; call before submitting, so no event can be missed."""
+        subject = subjects.request_events(self.request_id)
+        if self._replay:
+            self._sub = await self.js.subscribe(
+                subject, stream=subjects.EVENTS_STREAM, ordered_consumer=True
+            )
+        else:
+            self._sub = await self.nc.subscribe(subject)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            await (_drop_consumer(self.js, sub) if self._replay else sub.unsubscribe())
+
+    async def __aenter__(self) -> RunWatch:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _accept(self, data: bytes) -> list[TextGenerated]:
+        try:
+            event = decode_event(data)
+        except msgspec.DecodeError:
+            return []  # not ours to judge: the log keeps it, the stage that owns it fails it
+        if self.on_event is not None:
+            self.on_event(event, time.monotonic_ns())
+        if isinstance(event, TextGenerated):
+            return self.buffer.push(event.seq, event)
+        if isinstance(event, Terminal) and self.terminal is None:
+            self.terminal = event
+        return []
+
+    def _last_seq(self) -> int | None:
+        term = self.terminal
+        if isinstance(term, RequestFailed):
+            return None  # nothing more will come; deliver what is contiguous
+        return term.last_seq if term is not None else None
+
+    def _done(self) -> bool:
+        return self.terminal is not None and self.buffer.complete(self._last_seq())
+
+    async def deltas(self) -> AsyncIterator[TextGenerated]:
+        """Text deltas in order; afterwards `self.terminal` holds the run's end."""
+        assert self._sub is not None, "call start() before deltas()"
+        deadline: float | None = None
+        next_fill = 0.0
+        heard = time.monotonic()
+        while not self._done():
+            if self.terminal is not None:
+                now = time.monotonic()
+                if deadline is None:  # give racing deltas a moment to arrive live first
+                    deadline, next_fill = now + self.gap_timeout_s, now + 0.2
+                if now >= next_fill:
+                    next_fill = now + 0.5
+                    for delta in await self._fill_from_log():
+                        yield delta
+                    if self._done():
+                        break
+                if now > deadline:
+                    missing = self.buffer.missing(self._last_seq())
+                    raise DeltasMissing(
+                        f"run {self.request_id}: text seqs {missing[:8]} never reached the log "
+                        f"within {self.gap_timeout_s}s of its end"
+                    )
+            timeout = 0.05 if self.terminal is not None else min(self.poll_s, self.idle_timeout_s)
+            try:
+                msg = await self._sub.next_msg(timeout=timeout)
+            except nats.errors.TimeoutError:
+                if self.terminal is None and not self._replay:
+                    await self._end_from_log()  # a dropped live message: the log has it
+                if self.terminal is None and time.monotonic() - heard > self.idle_timeout_s:
+                    raise TimeoutError(
+                        f"run {self.request_id}: no event for {self.idle_timeout_s}s"
+                    ) from None
+                continue
+            heard = time.monotonic()
+            for delta in self._accept(msg.data):
+                yield delta
+
+    async def _end_from_log(self) -> None:
+        for tag in TERMINAL_TAGS:
+            subject = subjects.event_subject(self.request_id, tag)
+            try:
+                msg = await self.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+            except (NotFoundError, nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                continue  # not stored (or no log to ask): keep waiting live
+            if msg.data:
+                self._accept(msg.data)
+                return
+
+    async def _fill_from_log(self) -> list[TextGenerated]:
+        """Read this run's stored text deltas (an ordered consumer, then unsubscribed)."""
+        self.num_gap_fills += 1
+        subject = subjects.event_subject(self.request_id, "text")
+        sub = await self.js.subscribe(subject, stream=subjects.EVENTS_STREAM, ordered_consumer=True)
+        ready: list[TextGenerated] = []
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=0.5)
+                except nats.errors.TimeoutError:
+                    break  # nothing stored for this subject
+                ready.extend(self._accept(msg.data))
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await _drop_consumer(self.js, sub)
+        return ready
+
+
+async def _drop_consumer(js: JetStreamContext, sub) -> None:
+    """Unsubscribe and delete the ephemeral consumer now (not seconds later, on inactivity)."""
+    with anyio.CancelScope(shield=True):
+        try:
+            info = await sub.consumer_info()
+            await sub.unsubscribe()
+            await js.delete_consumer(subjects.EVENTS_STREAM, info.name)
+        except (nats.errors.Error, NotFoundError):
+            pass  # already gone: the server removes an ephemeral consumer without interest

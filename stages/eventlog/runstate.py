@@ -1,0 +1,202 @@
+"""Run state, a projection of the event log kept in the `brigade_runs` KV bucket.
+
+queued -> prefill -> streaming -> completed | failed | cancelled -> billed. A transition that
+is not in TRANSITIONS is refused (a late or redelivered event never moves a run backwards or
+out of a terminal state); the log stays the source of truth. Writes use KV compare-and-set, so
+any number of projector workers can share one durable.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Literal
+
+import msgspec
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from schemas import subjects
+from schemas.events import (
+    AnyEvent,
+    Event,
+    RequestFailed,
+    RunBilled,
+    RunCancelled,
+    RunCompleted,
+    TextGenerated,
+    TokensGenerated,
+    Usage,
+)
+from stages.runtime.worker import StageContext, StageSpec
+
+State = Literal["queued", "prefill", "streaming", "completed", "failed", "cancelled", "billed"]
+TERMINAL: frozenset[State] = frozenset({"completed", "failed", "cancelled"})
+TRANSITIONS: dict[State | None, frozenset[State]] = {
+    None: frozenset({"queued", "prefill", "streaming", "failed", "cancelled", "completed"}),
+    "queued": frozenset({"prefill", "streaming", "completed", "failed", "cancelled"}),
+    "prefill": frozenset({"streaming", "completed", "failed", "cancelled"}),
+    "streaming": frozenset({"completed", "failed", "cancelled"}),
+    "completed": frozenset({"billed"}),
+    "failed": frozenset({"billed"}),
+    "cancelled": frozenset({"billed"}),
+    "billed": frozenset(),
+}
+STATE_OF_EVENT: dict[str, State] = {
+    "accepted": "queued",
+    "authorized": "queued",
+    "assembled": "queued",
+    "tokenized": "prefill",
+    "tokens": "streaming",
+    "text": "streaming",
+    "completed": "completed",
+    "failed": "failed",
+    "cancelled": "cancelled",
+    "billed": "billed",
+}
+
+
+class IllegalTransition(Exception):
+    pass
+
+
+class RunRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    request_id: str
+    state: State
+    tenant: str | None = None
+    last_seq: int | None = None
+    usage: Usage = Usage()
+    finish_reason: str | None = None
+    error_code: str | None = None
+    updated_ns: int = 0
+
+
+def check(current: State | None, new: State) -> None:
+    if new not in TRANSITIONS[current]:
+        raise IllegalTransition(f"run state {current} -> {new} is not allowed")
+
+
+def apply(record: RunRecord | None, event: AnyEvent) -> RunRecord | None:
+    """The record after `event`; None when the event changes nothing (same state, refused)."""
+    tag = type(event).__struct_config__.tag
+    new = STATE_OF_EVENT.get(tag)  # type: ignore[arg-type]
+    if new is None:
+        return None
+    current = record.state if record is not None else None
+    if current == new:
+        if record is not None and record.tenant is None and event.tenant is not None:
+            return msgspec.structs.replace(record, tenant=event.tenant)  # auth named it
+        return None  # the next token of a streaming run: nothing to write
+    try:
+        if isinstance(event, RunBilled) and current not in TERMINAL:
+            # handled before its run's end (workers race): `billed` names the end, pass through it
+            check(current, event.status)
+            check(event.status, new)
+        else:
+            check(current, new)
+    except IllegalTransition:
+        return None
+    fields: dict[str, object] = {"state": new, "updated_ns": event.ts_ns}
+    if event.tenant is not None:
+        fields["tenant"] = event.tenant
+    if isinstance(event, TokensGenerated | TextGenerated):
+        fields["last_seq"] = event.seq
+    elif isinstance(event, RunCompleted):
+        fields |= {"last_seq": event.last_seq, "usage": event.usage,
+                   "finish_reason": event.finish_reason}  # fmt: skip
+    elif isinstance(event, RunCancelled):
+        fields |= {"last_seq": event.last_seq, "usage": event.usage, "finish_reason": "cancelled"}
+    elif isinstance(event, RequestFailed):
+        fields |= {"usage": event.usage, "error_code": event.code}
+    elif isinstance(event, RunBilled):
+        fields["usage"] = event.usage
+        if current not in TERMINAL:
+            fields["finish_reason"] = event.status
+    if record is None:
+        return RunRecord(request_id=event.request_id, **fields)  # type: ignore[arg-type]
+    return msgspec.structs.replace(record, **fields)
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(RunRecord)
+
+
+class RunStates:
+    """Read and project run records in the KV bucket (compare-and-set on every write)."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+
+    async def get(self, request_id: str) -> RunRecord | None:
+        entry = await self._entry(request_id)
+        return None if entry is None else _decoder.decode(entry.value)
+
+    async def _entry(self, request_id: str) -> KeyValue.Entry | None:
+        try:
+            entry = await self.kv.get(request_id)
+        except KeyNotFoundError:
+            return None
+        return entry if entry.value else None
+
+    async def project(self, event: AnyEvent) -> RunRecord | None:
+        """Apply one event; returns the new record, or None when it changed nothing."""
+        for _ in range(16):
+            entry = await self._entry(event.request_id)
+            record = None if entry is None else _decoder.decode(entry.value)
+            new = apply(record, event)
+            if new is None:
+                return None
+            try:
+                if entry is None:
+                    await self.kv.create(event.request_id, _encoder.encode(new))
+                else:
+                    await self.kv.update(
+                        event.request_id, _encoder.encode(new), last=entry.revision
+                    )
+                return new
+            except KeyWrongLastSequenceError:
+                continue  # another worker wrote first: re-read and re-apply
+        raise RuntimeError(f"run {event.request_id}: 16 compare-and-set retries lost")
+
+
+class Projector:
+    """The `runstate` stage's state: the KV store plus a small cache that skips per-token writes."""
+
+    def __init__(self, runs: RunStates, capacity: int = 50_000) -> None:
+        self.runs = runs
+        self.capacity = capacity
+        self._seen: OrderedDict[str, State] = OrderedDict()
+
+    async def handle(self, event: AnyEvent) -> None:
+        tag = type(event).__struct_config__.tag
+        known = self._seen.get(event.request_id)
+        if tag in ("tokens", "text") and known is not None and known != "prefill":
+            return  # the next delta of a streaming (or finished) run: nothing to write
+        record = await self.runs.project(event) or await self.runs.get(event.request_id)
+        if record is not None:
+            state = record.state
+            self._seen[event.request_id] = state
+            self._seen.move_to_end(event.request_id)
+            if len(self._seen) > self.capacity:
+                self._seen.popitem(last=False)
+
+
+async def _setup(ctx: StageContext) -> Projector:
+    return Projector(RunStates(await ctx.bus.kv(subjects.RUNS_BUCKET)))
+
+
+async def _handle(event: AnyEvent, projector: Projector) -> list[Event]:
+    await projector.handle(event)
+    return []
+
+
+SPEC = StageSpec(
+    name="runstate",
+    input_event=None,
+    subject=subjects.ALL_EVENTS,
+    decoder=msgspec.json.Decoder(AnyEvent),
+    handle=_handle,
+    setup=_setup,
+    skip_cancelled=False,
+    on_invalid=lambda data, err: None,  # not ours to fail: the stage that consumes it does
+    max_in_flight=64,
+)

@@ -1,0 +1,343 @@
+"""The connection to NATS JetStream and the idempotent set-up of Brigade's streams, consumers and KV.
+
+`NATS_URL` (comma-separated for a cluster) wins; otherwise the private server of a running
+`brigade up` is found through its state file. Every event is published with `Nats-Msg-Id` dedupe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import msgspec
+import nats
+from nats.aio.client import Client
+from nats.js import JetStreamContext, api
+from nats.js.errors import APIError, BadRequestError, NotFoundError
+from nats.js.kv import KeyValue
+
+from schemas import subjects
+from schemas.events import AnyEvent, Event, Submit, SubmitReply, decode_event, encode
+from stages.runtime import natsd
+
+log = logging.getLogger("brigade.bus")
+MSG_ID_HEADER = "Nats-Msg-Id"
+_reply_decoder = msgspec.json.Decoder(SubmitReply)
+STREAM_NAME_IN_USE = 10058  # JetStream err_code: a stream exists with another configuration
+
+
+@dataclass(frozen=True, kw_only=True)
+class BusConfig:
+    """Where NATS is and how long things are kept. Durations in seconds."""
+
+    servers: tuple[str, ...]
+    events_max_age_s: float = 7 * 24 * 3600.0
+    replicas: int = 1  # 3 for an R3 cluster
+    ack_wait_s: float = 30.0  # the default per consumer; a stage may ask for its own
+    max_deliver: int = 5
+    idempotency_ttl_s: float = 24 * 3600.0
+    rates_ttl_s: float = 3600.0
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            raise ValueError("BusConfig.servers is empty: give at least one nats:// URL")
+        if self.replicas not in (1, 3, 5):
+            raise ValueError(f"replicas={self.replicas}: JetStream allows 1, 3 or 5")
+        if self.events_max_age_s <= 0:
+            raise ValueError(f"events_max_age_s={self.events_max_age_s} must be > 0")
+
+    @property
+    def duplicate_window_s(self) -> float:
+        """Covers every redelivery of a message, so a republished output is stored once."""
+        return max(120.0, self.ack_wait_s * self.max_deliver * 2)
+
+    @classmethod
+    def from_env(cls, url: str | None = None, **overrides: float | int) -> BusConfig:
+        """NATS_URL / `url` (comma-separated), else the running private server, else an error."""
+        servers = _split(url or os.environ.get("NATS_URL", ""))
+        if not servers:
+            running = natsd.find_running()
+            if running is None:
+                raise RuntimeError(
+                    "no NATS server: set NATS_URL=nats://host:4222 (comma-separated for a "
+                    f"cluster) or start `brigade up` (looked for {natsd.default_data_dir()}/"
+                    f"{natsd.STATE_FILE})"
+                )
+            servers = (running.url,)
+        env = {
+            "events_max_age_s": os.environ.get("BRIGADE_EVENTS_MAX_AGE_S"),
+            "replicas": os.environ.get("BRIGADE_STREAM_REPLICAS"),
+        }
+        kwargs: dict[str, float | int] = {}
+        if env["events_max_age_s"]:
+            kwargs["events_max_age_s"] = float(env["events_max_age_s"])
+        if env["replicas"]:
+            kwargs["replicas"] = int(env["replicas"])
+        kwargs.update(overrides)
+        return cls(servers=servers, **kwargs)  # type: ignore[arg-type]
+
+
+def _split(url: str) -> tuple[str, ...]:
+    return tuple(u.strip() for u in url.split(",") if u.strip())
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerSpec:
+    """A shared durable pull consumer: every worker of one stage binds to the same durable."""
+
+    durable: str
+    filter_subject: str | tuple[str, ...]  # several subjects: one consumer over all of them
+    stream: str = subjects.EVENTS_STREAM
+    ack_wait_s: float = 30.0
+    max_deliver: int = 5
+    backoff_s: tuple[float, ...] = ()  # redelivery delays; the first replaces ack_wait
+    max_ack_pending: int = 1024
+    deliver_all: bool = False  # required on a work-queue stream (submissions)
+
+    def __post_init__(self) -> None:
+        if self.backoff_s and len(self.backoff_s) > self.max_deliver:
+            raise ValueError(
+                f"{self.durable}: {len(self.backoff_s)} backoff steps but max_deliver="
+                f"{self.max_deliver}; give at most max_deliver steps"
+            )
+
+
+class Bus:
+    """One NATS connection with its JetStream context. Build with `await Bus.connect(...)`."""
+
+    def __init__(self, nc: Client, config: BusConfig) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.config = config
+        self._kv: dict[str, KeyValue] = {}
+        self._pulls: list[JetStreamContext.PullSubscription] = []
+
+    @classmethod
+    async def connect(cls, config: BusConfig | None = None, *, name: str = "brigade") -> Bus:
+        config = config or BusConfig.from_env()
+        nc = await nats.connect(
+            servers=list(config.servers),
+            name=name,
+            connect_timeout=config.connect_timeout_s,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            allow_reconnect=True,
+            drain_timeout=10,
+        )
+        return cls(nc, config)
+
+    async def close(self) -> None:
+        """Flush what was published, then close (`drain` also unsubscribes gracefully)."""
+        if self.nc.is_closed:
+            return
+        # nats.py's fetch takes messages without task_done, so draining a pull subscription
+        # would wait for its queue forever: unsubscribe those first (unacked work is redelivered).
+        for sub in self._pulls:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - already unsubscribed
+                pass
+        try:
+            await self.nc.drain()
+        except Exception:  # noqa: BLE001 - already closing; nothing left to protect
+            await self.nc.close()
+
+    # ---- set-up (idempotent) ----
+
+    async def ensure_streams(self) -> None:
+        """The event log over llm.ev.> and the submissions work queue on llm.in."""
+        c = self.config
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=subjects.EVENTS_STREAM,
+                subjects=[subjects.ALL_EVENTS],
+                retention=api.RetentionPolicy.LIMITS,
+                storage=api.StorageType.FILE,
+                max_age=c.events_max_age_s,
+                duplicate_window=c.duplicate_window_s,
+                num_replicas=c.replicas,
+                allow_direct=True,
+            )
+        )
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=subjects.SUBMIT_STREAM,
+                subjects=[subjects.SUBMIT],
+                retention=api.RetentionPolicy.WORK_QUEUE,
+                storage=api.StorageType.FILE,
+                max_age=c.idempotency_ttl_s,
+                duplicate_window=c.duplicate_window_s,
+                num_replicas=c.replicas,
+            )
+        )
+
+    async def _ensure_stream(self, config: api.StreamConfig) -> None:
+        try:
+            await self.js.add_stream(config)
+        except BadRequestError as e:
+            if e.err_code != STREAM_NAME_IN_USE:
+                raise
+            await self.js.update_stream(config)
+
+    async def ensure_kv(self) -> None:
+        c = self.config
+        buckets = {
+            subjects.IDEMPOTENCY_BUCKET: c.idempotency_ttl_s,
+            subjects.RUNS_BUCKET: c.events_max_age_s,
+            subjects.RATES_BUCKET: c.rates_ttl_s,
+        }
+        for bucket, ttl in buckets.items():
+            await self.kv(bucket, ttl_s=ttl)
+
+    async def kv(self, bucket: str, *, ttl_s: float | None = None) -> KeyValue:
+        """A KV bucket, created on first use (history 1, file storage, the bus's replicas)."""
+        if bucket in self._kv:
+            return self._kv[bucket]
+        try:
+            store = await self.js.key_value(bucket)
+        except (NotFoundError, BadRequestError):
+            store = await self.js.create_key_value(
+                api.KeyValueConfig(
+                    bucket=bucket,
+                    history=1,
+                    ttl=ttl_s,
+                    storage=api.StorageType.FILE,
+                    replicas=self.config.replicas,
+                )
+            )
+        self._kv[bucket] = store
+        return store
+
+    async def ensure_consumer(self, spec: ConsumerSpec) -> None:
+        """Create or update a shared durable pull consumer.
+
+        A new durable starts one dedupe window back, so events published while no worker of the
+        stage existed yet are still handled, and re-handling an older one stores nothing new.
+        """
+        start = datetime.datetime.now(datetime.UTC) - datetime.timedelta(
+            seconds=self.config.duplicate_window_s
+        )
+        config = api.ConsumerConfig(
+            durable_name=spec.durable,
+            filter_subject=spec.filter_subject if isinstance(spec.filter_subject, str) else None,
+            filter_subjects=None
+            if isinstance(spec.filter_subject, str)
+            else list(spec.filter_subject),
+            deliver_policy=api.DeliverPolicy.ALL
+            if spec.deliver_all
+            else api.DeliverPolicy.BY_START_TIME,
+            opt_start_time=None if spec.deliver_all else start,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=spec.backoff_s[0] if spec.backoff_s else spec.ack_wait_s,
+            max_deliver=spec.max_deliver,
+            backoff=list(spec.backoff_s) or None,
+            max_ack_pending=spec.max_ack_pending,
+            max_waiting=512,
+            num_replicas=self.config.replicas if self.config.replicas > 1 else None,
+        )
+        try:
+            info = await self.js.consumer_info(spec.stream, spec.durable)
+        except NotFoundError:
+            try:
+                await self.js.add_consumer(spec.stream, config)
+                return
+            except APIError:  # another worker created it just now (its start time differs)
+                info = await self.js.consumer_info(spec.stream, spec.durable)
+        have = info.config
+        if (have.ack_wait, have.max_deliver, have.max_ack_pending, have.backoff or None) != (
+            config.ack_wait,
+            config.max_deliver,
+            config.max_ack_pending,
+            config.backoff,
+        ):
+            config.deliver_policy = have.deliver_policy
+            config.opt_start_time = have.opt_start_time
+            await self.js.add_consumer(spec.stream, config)  # the server updates in place
+
+    async def pull(self, spec: ConsumerSpec) -> JetStreamContext.PullSubscription:
+        await self.ensure_consumer(spec)
+        sub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+        self._pulls.append(sub)
+        return sub
+
+    # ---- publishing ----
+
+    async def publish(self, event: Event) -> api.PubAck:
+        """Publish one event into the log and wait for the stream's ack (dedupe by Nats-Msg-Id)."""
+        subject, payload, headers = self._prepare(event)
+        return await self.js.publish(subject, payload, headers=headers)
+
+    async def publish_async(self, event: Event) -> asyncio.Future[api.PubAck]:
+        """Pipelined publish: returns the ack future at once (tokens, text deltas)."""
+        subject, payload, headers = self._prepare(event)
+        return await self.js.publish_async(subject, payload, headers=headers)
+
+    async def publish_all(self, events: list[Event]) -> list[api.PubAck]:
+        """Publish several events pipelined and wait until every one is acknowledged."""
+        if len(events) == 1:
+            return [await self.publish(events[0])]
+        futures = [await self.publish_async(e) for e in events]
+        return list(await asyncio.gather(*futures))
+
+    def _prepare(self, event: Event) -> tuple[str, bytes, dict[str, str]]:
+        tag = event_tag(event)
+        if event.ts_ns == 0:
+            event = msgspec.structs.replace(event, ts_ns=time.time_ns())
+        seq = getattr(event, "seq", None)
+        return (
+            subjects.event_subject(event.request_id, tag),
+            encode(event),
+            {MSG_ID_HEADER: subjects.msg_id(event.request_id, tag, seq)},
+        )
+
+    async def submit(self, submit: Submit | bytes, *, timeout_s: float = 10.0) -> SubmitReply:
+        """Publish a submit to llm.in and wait for the gateway's answer (request id or error)."""
+        payload = submit if isinstance(submit, bytes) else encode(submit)
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, max_msgs=1)
+        try:
+            await self.js.publish(subjects.SUBMIT, payload, headers={subjects.REPLY_HEADER: inbox})
+            msg = await sub.next_msg(timeout=timeout_s)
+        finally:
+            await sub.unsubscribe()
+        return _reply_decoder.decode(msg.data)
+
+    # ---- reading the log ----
+
+    async def replay(self, request_id: str, *, timeout_s: float = 5.0) -> list[AnyEvent]:
+        """Every stored event of one request, in stream order (an ephemeral consumer)."""
+        sub = await self.js.pull_subscribe(
+            subjects.request_events(request_id),
+            stream=subjects.EVENTS_STREAM,
+            config=api.ConsumerConfig(
+                ack_policy=api.AckPolicy.NONE,
+                deliver_policy=api.DeliverPolicy.ALL,
+                inactive_threshold=30.0,
+            ),
+        )
+        events: list[AnyEvent] = []
+        try:
+            pending = (await sub.consumer_info()).num_pending
+            while pending:
+                for msg in await sub.fetch(min(pending, 256), timeout=timeout_s):
+                    pending = msg.metadata.num_pending
+                    try:
+                        events.append(decode_event(msg.data))
+                    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+                        log.warning("skipped undecodable %s in the log: %s", msg.subject, err)
+        finally:
+            await sub.unsubscribe()
+            try:
+                await self.js.delete_consumer(subjects.EVENTS_STREAM, sub._consumer)
+            except NotFoundError:
+                pass
+        return events
+
+
+def event_tag(event: Event) -> str:
+    return type(event).__struct_config__.tag  # type: ignore[return-value]

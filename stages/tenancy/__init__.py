@@ -1,0 +1,1 @@
+"""Tenancy: tenants and their hashed API keys, per-tenant rate limits, idempotency keys."""

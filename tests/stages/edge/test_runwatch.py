@@ -1,0 +1,127 @@
+import anyio
+import pytest
+
+from schemas import subjects
+from schemas.events import RequestFailed, RunCompleted, TextGenerated, Usage, encode
+from stages.edge.runwatch import RunWatch
+from stages.runtime.bus import Bus
+
+pytestmark = pytest.mark.anyio
+
+
+def _text(rid: str, seq: int) -> TextGenerated:
+    return TextGenerated(request_id=rid, tenant="acme", seq=seq, text=f"<{seq}>")
+
+
+def _done(rid: str, last_seq: int) -> RunCompleted:
+    return RunCompleted(
+        request_id=rid,
+        tenant="acme",
+        finish_reason="stop",
+        last_seq=last_seq,
+        usage=Usage(completion_tokens=3),
+    )
+
+
+async def _collect(watch: RunWatch) -> list[int]:
+    with anyio.fail_after(10):
+        return [d.seq async for d in watch.deltas()]
+
+
+async def test_live_deltas_reordered_and_deduplicated(bus_config):
+    bus = await Bus.connect(bus_config)
+    try:
+        await bus.ensure_streams()
+        async with RunWatch(bus.nc, bus.js, "live1") as watch:
+            await bus.nc.flush()
+            for seq in (2, 0, 1, 1, 0):
+                await bus.nc.publish(
+                    subjects.event_subject("live1", "text"), encode(_text("live1", seq))
+                )
+            await bus.publish(_done("live1", 3))  # arrives before seq 3
+            await bus.publish(_text("live1", 3))
+            assert await _collect(watch) == [0, 1, 2, 3]
+            assert watch.terminal.last_seq == 3
+            assert watch.buffer.num_duplicates == 2
+    finally:
+        await bus.close()
+
+
+async def test_a_delta_missed_live_is_filled_from_the_log(bus_config):
+    bus = await Bus.connect(bus_config)
+    try:
+        await bus.ensure_streams()
+        await bus.publish(_text("gap1", 0))  # stored before the watcher subscribed
+        async with RunWatch(bus.nc, bus.js, "gap1") as watch:
+            await bus.nc.flush()
+            await bus.publish(_text("gap1", 1))
+            await bus.publish(_done("gap1", 1))
+            assert await _collect(watch) == [0, 1]
+            assert watch.num_gap_fills == 1
+        consumers = await bus.js.streams_info()
+        assert [
+            s.state.consumer_count for s in consumers if s.config.name == subjects.EVENTS_STREAM
+        ] == [0]
+    finally:
+        await bus.close()
+
+
+async def test_resume_replays_the_rest_from_the_log(bus_config):
+    bus = await Bus.connect(bus_config)
+    try:
+        await bus.ensure_streams()
+        for seq in range(4):
+            await bus.publish(_text("res1", seq))
+        await bus.publish(_done("res1", 3))
+        async with RunWatch(bus.nc, bus.js, "res1", starting_after=1) as watch:
+            assert await _collect(watch) == [2, 3]
+        async with RunWatch(bus.nc, bus.js, "res1", starting_after=-1) as watch:
+            assert await _collect(watch) == [0, 1, 2, 3]
+        async with RunWatch(bus.nc, bus.js, "res1", starting_after=3) as watch:
+            assert await _collect(watch) == []
+            assert isinstance(watch.terminal, RunCompleted)
+    finally:
+        await bus.close()
+
+
+async def test_failed_run_ends_the_watch(bus_config):
+    bus = await Bus.connect(bus_config)
+    try:
+        await bus.ensure_streams()
+        async with RunWatch(bus.nc, bus.js, "f1") as watch:
+            await bus.nc.flush()
+            await bus.publish(
+                RequestFailed(request_id="f1", stage="auth", code="unauthorized", message="bad key")
+            )
+            assert await _collect(watch) == []
+            assert watch.terminal.code == "unauthorized"
+    finally:
+        await bus.close()
+
+
+async def test_silence_times_out(bus_config):
+    bus = await Bus.connect(bus_config)
+    try:
+        async with RunWatch(bus.nc, bus.js, "quiet", idle_timeout_s=0.2) as watch:
+            with pytest.raises(TimeoutError, match="no event for 0.2s"):
+                await _collect(watch)
+    finally:
+        await bus.close()
+
+
+async def test_an_end_missed_live_is_found_in_the_log(bus_config):
+    bus = await Bus.connect(bus_config)
+    try:
+        await bus.ensure_streams()
+        async with RunWatch(bus.nc, bus.js, "lost1", poll_s=0.1) as watch:
+            await bus.nc.flush()
+            await bus.publish(_text("lost1", 0))
+            await bus.nc.flush()
+            await watch._sub.unsubscribe()  # from here on nothing arrives live (a slow consumer)
+            watch._sub = await bus.nc.subscribe("llm.ev.lost1.nothing")
+            await bus.publish(_text("lost1", 1))
+            await bus.publish(_done("lost1", 1))
+            assert await _collect(watch) == [0, 1]
+            assert watch.terminal.last_seq == 1
+    finally:
+        await bus.close()

@@ -1,0 +1,156 @@
+"""The archiver against a real nats-server: across restarts and crashes, every stream sequence
+lands in the Parquet archive exactly once, with its payload intact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import duckdb
+import pytest
+
+from schemas import events as ev
+from stages.eventlog.archiver import Archiver, ArchiverConfig
+from stages.eventlog.parquet import ParquetLog
+from stages.runtime.bus import Bus, BusConfig
+
+pytestmark = pytest.mark.anyio
+
+
+class Crash(Exception):
+    """Stands for the process dying at an exact point."""
+
+
+def request_events(rid: str, num_tokens: int) -> list[ev.Event]:
+    req = ev.Request(messages=[ev.Message(role="user", content=f"question {rid}")])
+    out: list[ev.Event] = [ev.RequestAccepted(request_id=rid, request=req, received_ns=1)]
+    for seq in range(num_tokens):
+        out.append(ev.TokensGenerated(request_id=rid, seq=seq, token_ids=[seq, seq + 1]))
+        out.append(ev.TextGenerated(request_id=rid, seq=seq, text=f"t{seq} é"))
+    out.append(ev.RunCompleted(request_id=rid, finish_reason="length", last_seq=num_tokens - 1))
+    return out
+
+
+async def publish(bus: Bus, rid: str, num_tokens: int) -> int:
+    acks = await bus.publish_all(request_events(rid, num_tokens))
+    return max(a.seq for a in acks)
+
+
+def archived(root: Path) -> list[tuple]:
+    return duckdb.sql(
+        f"SELECT stream_seq, type, request_id, seq, num_tokens, text, data "
+        f"FROM read_parquet('{root}/**/*.parquet') ORDER BY stream_seq"
+    ).fetchall()
+
+
+async def run_until(bus_config: BusConfig, config: ArchiverConfig, last_seq: int, crash_at=None):
+    """Run one archiver until its checkpoint reaches `last_seq` (or it crashes)."""
+    bus = await Bus.connect(bus_config)
+    archiver = Archiver(bus, config)
+    if crash_at is not None:
+        crash_at(archiver)
+    stop = anyio.Event()
+    crashed = False
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(archiver.run, stop)
+            with anyio.fail_after(20):
+                while archiver.stats.last_stream_seq < last_seq:
+                    await anyio.sleep(0.02)
+            stop.set()
+    except* Crash:
+        crashed = True
+    finally:
+        await bus.nc.close()  # no drain: a crash leaves its acks unsent
+    return archiver.stats, crashed
+
+
+def crash_after_files(archiver: Archiver) -> None:
+    """Files durable and renamed, checkpoint never written, nothing acked."""
+
+    def commit(last_stream_seq: int) -> None:
+        raise Crash
+
+    archiver.log.commit = commit  # type: ignore[method-assign]
+
+
+def crash_after_checkpoint(archiver: Archiver) -> None:
+    """Files and checkpoint durable, the ack never sent."""
+    original = archiver.log.commit
+
+    def commit(last_stream_seq: int) -> None:
+        original(last_stream_seq)
+        raise Crash
+
+    archiver.log.commit = commit  # type: ignore[method-assign]
+
+
+async def test_exactly_once_across_restarts_and_crashes(bus_config: BusConfig, tmp_path: Path):
+    root = tmp_path / "archive"
+    config = ArchiverConfig(archive_dir=root, max_age_s=0.2, ack_wait_s=2.0)
+    bus = await Bus.connect(bus_config)
+    await bus.ensure_streams()
+    try:
+        last = await publish(bus, "r1", 3)  # 8 events: seqs 1..8
+        stats, crashed = await run_until(bus_config, config, last)
+        assert (crashed, stats.num_rows, stats.last_stream_seq) == (False, 8, 8)
+
+        last = await publish(bus, "r2", 2)  # seqs 9..14
+        _, crashed = await run_until(bus_config, config, last, crash_after_files)
+        assert crashed and ParquetLog(root).read_checkpoint() == 8
+        last = await publish(bus, "r3", 1)  # seqs 15..18
+        stats, crashed = await run_until(bus_config, config, last)
+        assert not crashed and stats.num_rows == 4  # 9..14 were on disk: recovered, not redone
+
+        last = await publish(bus, "r4", 4)  # seqs 19..28
+        _, crashed = await run_until(bus_config, config, last, crash_after_checkpoint)
+        assert crashed and ParquetLog(root).read_checkpoint() == 28
+        last = await publish(bus, "r5", 1)  # seqs 29..32
+        stats, crashed = await run_until(bus_config, config, last)
+        assert not crashed and stats.num_rows == 4 and stats.num_lost == 0
+    finally:
+        await bus.close()
+
+    rows = archived(root)
+    assert [r[0] for r in rows] == list(range(1, 33))  # every sequence once, none twice
+    by_seq = {r[0]: r[1:] for r in rows}
+    assert by_seq[1][:2] == ("accepted", "r1")
+    assert by_seq[2][:5] == ("tokens", "r1", 0, 2, None)
+    assert by_seq[3][:5] == ("text", "r1", 0, None, "t0 é")
+    decoded = ev.decode_event(by_seq[20][5].encode())
+    assert decoded == ev.TokensGenerated(
+        request_id="r4", seq=0, token_ids=[0, 1], ts_ns=decoded.ts_ns
+    )
+    assert ParquetLog(root).read_checkpoint() == 32
+    assert not list(root.glob("**/*.tmp")) and not list((root / ".staging").iterdir())
+
+
+async def test_clean_restart_reuses_the_durable(bus_config: BusConfig, tmp_path: Path):
+    config = ArchiverConfig(archive_dir=tmp_path / "archive", max_age_s=0.2, ack_wait_s=2.0)
+    bus = await Bus.connect(bus_config)
+    await bus.ensure_streams()
+    try:
+        await run_until(bus_config, config, await publish(bus, "a", 1))
+        first = await bus.js.consumer_info("BRIGADE_EVENTS", "brigade-archiver")
+        await run_until(bus_config, config, await publish(bus, "b", 1))
+        second = await bus.js.consumer_info("BRIGADE_EVENTS", "brigade-archiver")
+    finally:
+        await bus.close()
+    assert first.created == second.created  # the same durable, not a recreated one
+    assert (second.ack_floor.stream_seq, second.num_ack_pending) == (8, 0)
+    assert [r[0] for r in archived(tmp_path / "archive")] == list(range(1, 9))
+
+
+async def test_an_archive_ahead_of_a_recreated_stream_is_refused(
+    bus_config: BusConfig, tmp_path: Path
+):
+    ParquetLog(tmp_path / "archive").commit(500)  # an archive of an earlier stream
+    bus = await Bus.connect(bus_config)
+    await bus.ensure_streams()
+    try:
+        await publish(bus, "fresh", 1)  # the new stream ends at seq 4
+        archiver = Archiver(bus, ArchiverConfig(archive_dir=tmp_path / "archive"))
+        with pytest.raises(RuntimeError, match="up to 500 but the BRIGADE_EVENTS stream ends at 4"):
+            await archiver.start()
+    finally:
+        await bus.close()

@@ -1,0 +1,105 @@
+"""Bus set-up is idempotent; events are stored once per Nats-Msg-Id; replay is in order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from schemas import subjects
+from schemas.events import CancelRequested, TextGenerated
+from stages.runtime import natsd
+from stages.runtime.bus import Bus, BusConfig, ConsumerSpec
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_streams_kv_and_consumers_are_created_idempotently(bus_config: BusConfig) -> None:
+    bus = await Bus.connect(bus_config)
+    try:
+        for _ in range(2):
+            await bus.ensure_streams()
+            await bus.ensure_kv()
+        events = (await bus.js.stream_info(subjects.EVENTS_STREAM)).config
+        assert events.subjects == ["llm.ev.>"]
+        assert (events.retention, events.storage) == ("limits", "file")
+        assert events.max_age == bus_config.events_max_age_s == 7 * 24 * 3600
+        assert events.duplicate_window >= bus_config.ack_wait_s * bus_config.max_deliver
+        submit = (await bus.js.stream_info(subjects.SUBMIT_STREAM)).config
+        assert (submit.subjects, submit.retention) == (["llm.in"], "workqueue")
+        for bucket in (subjects.IDEMPOTENCY_BUCKET, subjects.RUNS_BUCKET, subjects.RATES_BUCKET):
+            assert (await (await bus.js.key_value(bucket)).status()).bucket == bucket
+
+        spec = ConsumerSpec(durable="brigade-t", filter_subject="llm.ev.*.text", ack_wait_s=4.0)
+        await bus.ensure_consumer(spec)
+        await bus.ensure_consumer(spec)
+        slower = ConsumerSpec(
+            durable="brigade-t", filter_subject="llm.ev.*.text", backoff_s=(1.0, 3.0), max_deliver=3
+        )
+        await bus.ensure_consumer(slower)
+        info = await bus.js.consumer_info(subjects.EVENTS_STREAM, "brigade-t")
+        assert (info.config.ack_wait, info.config.backoff, info.config.max_deliver) == (
+            1.0,
+            [1.0, 3.0],
+            3,
+        )
+        assert info.config.deliver_policy == "by_start_time"
+    finally:
+        await bus.close()
+
+
+async def test_republished_event_is_stored_once_and_replays_in_order(
+    bus_config: BusConfig,
+) -> None:
+    bus = await Bus.connect(bus_config)
+    try:
+        await bus.ensure_streams()
+        first = await bus.publish(TextGenerated(request_id="r1", seq=0, text="Hel"))
+        again = await bus.publish(TextGenerated(request_id="r1", seq=0, text="Hel"))
+        assert (again.seq, again.duplicate) == (first.seq, True)
+        acks = await bus.publish_all(
+            [
+                TextGenerated(request_id="r1", seq=i, text=t)
+                for i, t in enumerate(["Hel", "lo", "!"])
+            ]
+            + [CancelRequested(request_id="r2")]
+        )
+        assert [bool(a.duplicate) for a in acks] == [True, False, False, False]
+        info = await bus.js.stream_info(subjects.EVENTS_STREAM, subjects_filter="llm.ev.r1.>")
+        assert info.state.messages == 4 and info.state.subjects == {"llm.ev.r1.text": 3}
+        replayed = await bus.replay("r1")
+        assert [(e.seq, e.text) for e in replayed] == [(0, "Hel"), (1, "lo"), (2, "!")]
+        assert all(e.ts_ns > 0 for e in replayed)
+        assert await bus.replay("nobody") == []
+    finally:
+        await bus.close()
+
+
+async def test_config_from_env_url_list_and_running_server(
+    nats_server: natsd.NatsServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("NATS_URL", "nats://a:4222, nats://b:4222,nats://c:4222")
+    assert BusConfig.from_env().servers == ("nats://a:4222", "nats://b:4222", "nats://c:4222")
+    monkeypatch.delenv("NATS_URL")
+    monkeypatch.setenv(natsd.DATA_DIR_ENV, str(nats_server.data_dir))
+    assert BusConfig.from_env().servers == (nats_server.url,)
+    monkeypatch.setenv(natsd.DATA_DIR_ENV, str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match="set NATS_URL"):
+        BusConfig.from_env()
+
+
+async def test_workers_racing_to_create_one_durable_both_succeed(bus_config: BusConfig) -> None:
+    buses = [await Bus.connect(bus_config) for _ in range(4)]
+    try:
+        await buses[0].ensure_streams()
+        spec = ConsumerSpec(durable="brigade-race", filter_subject="llm.ev.*.tokens")
+        for _ in range(3):
+            async with anyio.create_task_group() as tg:
+                for bus in buses:
+                    tg.start_soon(bus.ensure_consumer, spec)
+        info = await buses[0].js.consumer_info(subjects.EVENTS_STREAM, "brigade-race")
+        assert info.config.filter_subject == "llm.ev.*.tokens"
+    finally:
+        for bus in buses:
+            await bus.close()

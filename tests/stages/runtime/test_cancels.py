@@ -1,0 +1,35 @@
+"""The cancel set: fed by llm.ev.*.cancel, bounded, with callbacks for stages that abort work."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from schemas.events import CancelRequested
+from stages.runtime.bus import Bus, BusConfig
+from stages.runtime.cancels import CancelledRequests
+
+
+def test_bounded_lru_and_callbacks_fire_once() -> None:
+    seen: list[str] = []
+    cancels = CancelledRequests(capacity=2)
+    cancels.on_cancel(seen.append)
+    for rid in ("a", "b", "a", "c"):
+        cancels.add(rid)
+    assert seen == ["a", "b", "c"]
+    assert ("a" in cancels, "b" in cancels, "c" in cancels) == (False, True, True)
+
+
+@pytest.mark.anyio
+async def test_fed_by_the_cancel_subject(bus_config: BusConfig) -> None:
+    bus = await Bus.connect(bus_config)
+    await bus.ensure_streams()
+    cancels = CancelledRequests()
+    sub = await cancels.subscribe(bus)
+    await bus.publish(CancelRequested(request_id="gone-1", reason="client"))
+    with anyio.fail_after(5):
+        while "gone-1" not in cancels:
+            await anyio.sleep(0.01)
+    assert "other" not in cancels
+    await sub.unsubscribe()
+    await bus.close()

@@ -1,0 +1,21 @@
+"""Failure helpers: the field a msgspec error names, the request id inside bad input."""
+
+from __future__ import annotations
+
+from stages.runtime.failures import error_field, read_envelope
+
+
+def test_error_field_reads_msgspec_paths() -> None:
+    assert error_field(ValueError("Expected `float` <= 1.0 - at `$.top_p`")) == "top_p"
+    assert error_field(ValueError("Object missing required field `request`")) == "request"
+    missing_role = ValueError("Object missing required field `role` - at `$.messages[0]`")
+    assert error_field(missing_role) == "messages[0].role"
+    assert error_field(ValueError("JSON is malformed: invalid character (byte 0)")) is None
+
+
+def test_read_envelope_keeps_only_valid_ids() -> None:
+    assert read_envelope(b'{"request_id": "r-1", "tenant": "acme", "x": [1]}') == ("r-1", "acme")
+    assert read_envelope(b'{"request_id": "a.b.>", "tenant": 5}') == (None, None)
+    assert read_envelope(b'{"request_id": 7}') == (None, None)
+    assert read_envelope(b"\xff garbage") == (None, None)
+    assert read_envelope(b"[1, 2]") == (None, None)

@@ -1,0 +1,1 @@
+"""`brigade bench ...`: the benchmarks, their workloads, load generators and reports."""
