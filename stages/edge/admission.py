@@ -20,7 +20,7 @@ from schemas.events import (
     TextGenerated,
     TokensGenerated,
 )
-from stages.edge.openai_schema import RequestError
+from stages.edge.errors import RequestError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.edge.openai_schema import RequestError
+from stages.edge.errors import RequestError
 from stages.tenancy import tenants
 
 DEFAULT_MODEL = "smollm2-135m"

@@ -15,16 +15,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from schemas.events import RequestFailed, RunCancelled, RunCompleted
-from stages.edge.app import Edge, error_response, failure_error
+from stages.edge.core import Edge
+from stages.edge.errors import RequestError, error_body, error_response, failure_error
 from stages.edge.keys import Caller
 from stages.edge.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    RequestError,
     chat_chunk,
     completion_chunk,
     decode_body,
-    error_body,
     full_response,
     to_submit,
     usage_chunk,

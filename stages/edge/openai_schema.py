@@ -1,5 +1,5 @@
 """OpenAI HTTP schemas <-> Brigade: a chat or completions body becomes a `Submit`; a run's text
-and usage become `chat.completion(.chunk)` / `text_completion` bodies and OpenAI error objects.
+and usage become `chat.completion(.chunk)` / `text_completion` bodies (errors: errors.py).
 
 Unknown OpenAI fields are ignored (as vLLM does); unsupported values are refused by name.
 """
@@ -13,55 +13,7 @@ import msgspec
 from msgspec import Struct
 
 from schemas.events import Submit, Usage
-
-ErrorCode = str
-
-HTTP_STATUS: dict[ErrorCode, int] = {
-    "invalid_request": 400,
-    "context_length": 400,
-    "unauthorized": 401,
-    "forbidden": 403,
-    "not_found": 404,
-    "conflict": 409,
-    "too_large": 413,
-    "headers_too_large": 431,
-    "rate_limited": 429,
-    "internal": 500,
-    "overloaded": 503,
-    "timeout": 504,
-}
-ERROR_TYPE = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    503: "overloaded_error",
-}
-
-
-class RequestError(Exception):
-    """A client mistake or refusal with its error code, message and offending field."""
-
-    def __init__(
-        self,
-        code: ErrorCode,
-        message: str,
-        field: str | None = None,
-        retry_after_s: float | None = None,
-    ):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.field = field
-        self.retry_after_s = retry_after_s
-
-    @property
-    def status(self) -> int:
-        return HTTP_STATUS.get(self.code, 500)
+from stages.edge.errors import RequestError
 
 
 class TextPart(Struct, frozen=True):
@@ -198,18 +150,6 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-def error_body(err: RequestError) -> dict[str, Any]:
-    status = err.status
-    return {
-        "error": {
-            "message": err.message,
-            "type": ERROR_TYPE.get(status, "server_error"),
-            "param": err.field,
-            "code": err.code,
-        }
     }
 
 

@@ -16,7 +16,8 @@ from msgspec import Struct
 
 from schemas.events import RequestFailed, RunCancelled, RunCompleted, Submit, Usage
 from schemas.subjects import REQUEST_ID_PATTERN
-from stages.edge.openai_schema import RequestError, usage_body
+from stages.edge.errors import RequestError
+from stages.edge.openai_schema import usage_body
 
 # Fields a client may set in `response`; identity (request_id, api_key) comes from the edge.
 CLIENT_FIELDS = frozenset(Submit.__struct_fields__) - {"request_id", "api_key", "priority"}

@@ -17,8 +17,9 @@ from schemas import subjects
 from schemas.events import decode_event
 from schemas.subjects import REQUEST_ID_PATTERN
 from stages.edge import realtime
-from stages.edge.app import Edge, error_response
-from stages.edge.openai_schema import RequestError, usage_body
+from stages.edge.core import Edge
+from stages.edge.errors import RequestError, error_response
+from stages.edge.openai_schema import usage_body
 
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 

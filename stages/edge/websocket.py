@@ -13,9 +13,9 @@ import anyio
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from stages.edge import realtime
-from stages.edge.app import Edge, error_response
+from stages.edge.core import Edge
+from stages.edge.errors import RequestError, error_response
 from stages.edge.keys import Caller
-from stages.edge.openai_schema import RequestError
 from stages.edge.realtime import ResponseCancel, ResponseCreate, ResponseResume
 from stages.edge.runwatch import RunWatch
 

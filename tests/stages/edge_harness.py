@@ -11,7 +11,8 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from stages.edge.app import EdgeConfig, serve
+from stages.edge.app import serve
+from stages.edge.core import EdgeConfig
 from stages.edge.keys import KeyRing
 from stages.runtime.bus import BusConfig
 from stages.tenancy import tenants

@@ -2,7 +2,7 @@ import pytest
 
 from schemas.events import RequestFailed, TokensGenerated
 from stages.edge.admission import AdmissionConfig, AdmissionGate
-from stages.edge.openai_schema import RequestError
+from stages.edge.errors import RequestError
 
 
 def test_waiting_tokens_are_bounded_and_released_on_first_token():

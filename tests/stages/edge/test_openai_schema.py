@@ -2,13 +2,12 @@ import msgspec
 import pytest
 
 from schemas.events import Usage
+from stages.edge.errors import RequestError
 from stages.edge.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    RequestError,
     chat_chunk,
     decode_body,
-    error_body,
     full_response,
     to_submit,
 )
@@ -115,16 +114,3 @@ def test_response_bodies_follow_openai_shapes():
     assert (text["object"], text["choices"][0]["text"]) == ("text_completion", "hello")
     chunk = chat_chunk("r1", 10, "m", {"content": "he"}, None)
     assert chunk["id"] == "chatcmpl-r1" and chunk["choices"][0]["delta"] == {"content": "he"}
-
-
-def test_error_body_types():
-    err = RequestError("rate_limited", "slow down", None, retry_after_s=2.0)
-    assert err.status == 429
-    assert error_body(err) == {
-        "error": {
-            "message": "slow down",
-            "type": "rate_limit_error",
-            "param": None,
-            "code": "rate_limited",
-        }
-    }

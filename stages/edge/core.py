@@ -1,0 +1,273 @@
+"""The edge's core: the client's door (OpenAI-compatible HTTP + SSE, a Realtime-style websocket).
+
+It checks the key against the tenants file for a fast 401/403 (the auth stage stays the
+authority), chooses the request id, subscribes to the run's events before it submits, and
+delivers text in `seq` order; a client that leaves cancels its run. A tenant only ever sees,
+resumes or cancels its own runs; a key never appears in an event, a log line or an error.
+The routes (openai_routes, runs, websocket) stand on this module and errors.py; app.py
+assembles them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+import anyio.abc
+import msgspec
+from nats.js.errors import NotFoundError
+from starlette.requests import HTTPConnection
+
+from schemas import subjects
+from schemas.events import AnyEvent, CancelRequested, Submit, TextGenerated, decode_event, encode
+from stages import gateway
+from stages.edge.admission import AdmissionConfig, AdmissionGate
+from stages.edge.errors import RequestError
+from stages.edge.keys import Caller, KeyRing
+from stages.edge.metrics import EdgeMetrics
+from stages.edge.runwatch import RunWatch
+from stages.eventlog.runstate import RunStates
+from stages.runtime.bus import MSG_ID_HEADER, Bus
+from stages.runtime.worker import StageError
+from stages.tenancy.idempotency import Claim, IdempotencyConflict, IdempotencyStore, request_hash
+from stages.tenancy.ratelimit import estimate_prompt_tokens
+
+MAX_AUTH_HEADER = 1024
+ABANDONED_AFTER_S = 10.0  # a claim with no run in the log this long after: submit it anew
+
+
+@dataclass(frozen=True, kw_only=True)
+class EdgeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 1 << 20  # NATS' default max payload: a bigger submit cannot travel
+    max_header_bytes: int = 16 << 10
+    max_frame_bytes: int = 1 << 20
+    idle_timeout_s: float = 300.0  # no event from the pipeline for this long -> 504
+    # A client that drops a run with an idempotency key may come back for it: its cancel waits.
+    reconnect_grace_s: float = 15.0
+    admission: AdmissionConfig = AdmissionConfig()
+
+    @classmethod
+    def from_env(cls) -> EdgeConfig:
+        env = os.environ
+        return cls(
+            host=env.get("BRIGADE_EDGE_HOST", "127.0.0.1"),
+            port=int(env.get("BRIGADE_EDGE_PORT", "8080")),
+            max_body_bytes=int(env.get("BRIGADE_EDGE_MAX_BODY", str(1 << 20))),
+            max_header_bytes=int(env.get("BRIGADE_EDGE_MAX_HEADERS", str(16 << 10))),
+            max_frame_bytes=int(env.get("BRIGADE_EDGE_MAX_FRAME", str(1 << 20))),
+            reconnect_grace_s=float(env.get("BRIGADE_EDGE_RECONNECT_GRACE_S", "15")),
+            admission=AdmissionConfig(
+                max_waiting_tokens=int(env.get("BRIGADE_EDGE_MAX_WAITING_TOKENS", "65536")),
+                kv_watermark=float(env.get("BRIGADE_EDGE_KV_WATERMARK", "0.95")),
+            ),
+        )
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def check_headers(conn: HTTPConnection, config: EdgeConfig) -> None:
+    raw = conn.scope.get("headers", [])
+    size = sum(len(k) + len(v) + 4 for k, v in raw)
+    if size > config.max_header_bytes:
+        raise RequestError(
+            "headers_too_large",
+            f"request headers are {size} bytes; at most {config.max_header_bytes} "
+            "(BRIGADE_EDGE_MAX_HEADERS) are accepted",
+        )
+
+
+class Edge:
+    def __init__(self, bus: Bus, config: EdgeConfig, keys: KeyRing) -> None:
+        self.bus, self.config, self.keys = bus, config, keys
+        self.metrics = EdgeMetrics()
+        self.gate = AdmissionGate(config.admission)
+        self.following: Counter[str] = Counter()  # clients following each run here
+        self.background: anyio.abc.TaskGroup | None = None  # delayed cancels (set by serve)
+        self.idempotency: IdempotencyStore | None = None
+        self.runs: RunStates | None = None
+
+    async def start(self) -> None:
+        await self.bus.ensure_streams()
+        await self.bus.ensure_kv()
+        self.idempotency = IdempotencyStore(await self.bus.kv(subjects.IDEMPOTENCY_BUCKET))
+        self.runs = RunStates(await self.bus.kv(subjects.RUNS_BUCKET))
+
+    # ---- identity ----
+
+    def authenticate(self, conn: HTTPConnection) -> Caller:
+        check_headers(conn, self.config)
+        header = conn.headers.get("authorization")
+        if header is None:
+            raise RequestError("unauthorized", "missing `Authorization: Bearer <key>` header")
+        if len(header) > MAX_AUTH_HEADER:
+            raise RequestError(
+                "unauthorized", f"Authorization header longer than {MAX_AUTH_HEADER} characters"
+            )
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise RequestError("unauthorized", "Authorization must be `Bearer <key>`")
+        caller = self.keys.lookup(key.strip())
+        if caller is None:
+            raise RequestError("unauthorized", "invalid API key")
+        return caller
+
+    async def run_tenant(self, request_id: str) -> str | None:
+        """The tenant that owns a run, from the log (the `authorized` event), else None."""
+        subject = subjects.event_subject(request_id, "authorized")
+        try:
+            msg = await self.bus.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+        except NotFoundError:
+            return None
+        if not msg.data:
+            return None
+        return decode_event(msg.data).tenant
+
+    async def owned(self, caller: Caller, request_id: str) -> None:
+        """404 for a run that does not exist and for another tenant's run alike."""
+        if await self.run_tenant(request_id) != caller.tenant:
+            raise RequestError("not_found", f"no run {request_id} for this key", "request_id")
+
+    # ---- runs ----
+
+    def _watch(self, request_id: str, starting_after: int | None) -> RunWatch:
+        return RunWatch(
+            self.bus.nc,
+            self.bus.js,
+            request_id,
+            starting_after=starting_after,
+            idle_timeout_s=self.config.idle_timeout_s,
+            on_event=self._observe,
+        )
+
+    def _observe(self, event: AnyEvent, _received_ns: int) -> None:
+        self.metrics.observe_event(event)
+        self.gate.observe(event)
+
+    async def open_run(self, caller: Caller, submit: Submit) -> RunWatch:
+        """Subscribe, then submit; with an idempotency key possibly re-attach to its first run."""
+        caller.check_model(submit.model)
+        try:  # the gateway's own checks, here for a fast 400 and the idempotency digest
+            request = gateway.normalize(submit, limit_chars=gateway.max_text_chars())
+        except StageError as err:
+            raise RequestError("invalid_request", err.message, err.field) from None
+        request_id = submit.request_id or new_request_id()
+        submit = msgspec.structs.replace(submit, request_id=request_id, api_key=caller.api_key)
+        self.gate.admit(request_id, reserved_tokens(submit), caller.priority)
+        try:
+            return await self._submit(caller, submit, request_hash(request), request_id)
+        except BaseException:
+            self.gate.release(request_id)
+            raise
+
+    async def _submit(
+        self, caller: Caller, submit: Submit, digest: str, request_id: str
+    ) -> RunWatch:
+        if submit.idempotency_key is not None:
+            assert self.idempotency is not None
+            try:
+                claim = await self.idempotency.claim(
+                    caller.tenant, submit.idempotency_key, digest, request_id
+                )
+            except IdempotencyConflict as err:
+                raise RequestError("conflict", str(err), "idempotency_key") from None
+            if not claim.new and await self._abandoned(claim):
+                stale = claim.request_id
+                if not await self.idempotency.take_over(
+                    caller.tenant, submit.idempotency_key, digest, stale, request_id
+                ):
+                    raise RequestError(
+                        "conflict", "the idempotency key changed hands; retry", "idempotency_key"
+                    )
+                claim = Claim(request_id=request_id, new=True)
+            if not claim.new:
+                self.gate.release(request_id)
+                watch = self._watch(claim.request_id, starting_after=-1)
+                watch.idempotency_key = submit.idempotency_key
+                await watch.start()
+                return watch
+        watch = self._watch(request_id, starting_after=None)
+        watch.idempotency_key = submit.idempotency_key
+        await watch.start()
+        await self.bus.nc.flush()
+        headers = {MSG_ID_HEADER: f"{request_id}:submit"}
+        await self.bus.js.publish(subjects.SUBMIT, encode(submit), headers=headers)
+        return watch
+
+    async def _abandoned(self, claim: Claim) -> bool:
+        """A claimed run that never reached the gateway (its edge died between claim and submit):
+        nothing of it in the log after `ABANDONED_AFTER_S`."""
+        if claim.age_s < ABANDONED_AFTER_S:
+            return False
+        for event in ("accepted", "failed"):
+            subject = subjects.event_subject(claim.request_id, event)
+            try:
+                await self.bus.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+                return False
+            except NotFoundError:
+                continue
+        return True
+
+    async def attach(self, caller: Caller, request_id: str, starting_after: int) -> RunWatch:
+        await self.owned(caller, request_id)
+        watch = self._watch(request_id, starting_after=starting_after)
+        await watch.start()
+        return watch
+
+    async def cancel(self, caller: Caller, request_id: str, reason: str = "client") -> None:
+        event = CancelRequested(request_id=request_id, tenant=caller.tenant, reason=reason)
+        with anyio.CancelScope(shield=True):
+            await self.bus.publish(event)
+
+    async def left(self, caller: Caller, watch: RunWatch, reason: str = "disconnect") -> None:
+        """The client left before the run's end: cancel it, after a grace period when it holds
+        an idempotency key (a retry with the key re-attaches and keeps it alive)."""
+        if watch.terminal is not None:
+            return
+        grace = self.config.reconnect_grace_s
+        if watch.idempotency_key is None or self.background is None or grace <= 0:
+            await self.cancel(caller, watch.request_id, reason)
+            return
+
+        async def cancel_unless_followed() -> None:
+            await anyio.sleep(grace)
+            if self.following[watch.request_id]:
+                return  # a retry re-attached here and follows it now
+            record = await self.runs.get(watch.request_id) if self.runs is not None else None
+            if record is None or record.state not in ("completed", "failed", "cancelled", "billed"):
+                await self.cancel(caller, watch.request_id, reason)
+
+        self.background.start_soon(cancel_unless_followed)
+
+    async def deltas(self, watch: RunWatch) -> AsyncIterator[TextGenerated]:
+        """The run's deltas with the edge's latency metrics (TTFT, ITL, e2e)."""
+        started = last = time.monotonic()
+        first = True
+        self.metrics.open_streams.inc()
+        self.following[watch.request_id] += 1
+        try:
+            async for delta in watch.deltas():
+                now = time.monotonic()
+                (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
+                first, last = False, now
+                yield delta
+            self.metrics.e2e.observe(time.monotonic() - started)
+        finally:
+            self.metrics.open_streams.dec()
+            self.following[watch.request_id] -= 1
+            if not self.following[watch.request_id]:
+                del self.following[watch.request_id]
+            self.gate.release(watch.request_id)  # no longer followed here: not waiting work
+
+
+def reserved_tokens(submit: Submit) -> int:
+    texts = [m.content for m in submit.messages or []] + [submit.prompt or "", submit.system or ""]
+    return estimate_prompt_tokens([t for t in texts if t]) + submit.max_tokens
