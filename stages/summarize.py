@@ -26,6 +26,7 @@ from schemas.events import (
     Sampling,
     TextGenerated,
 )
+from stages.fit import SUMMARY_HEADER, assembled, fit
 from stages.runtime.worker import StageContext, StageError
 
 TIMEOUT_ENV = "BRIGADE_SUMMARY_TIMEOUT_S"
@@ -59,8 +60,6 @@ class Summarizer:
         self.max_tokens = int(os.environ.get(MAX_TOKENS_ENV) or 128)
 
     async def assemble(self, event: RequestAuthorized, state, budget: int) -> ContextAssembled:
-        from stages.context import SUMMARY_HEADER, assembled, fit
-
         request = event.request
         plain = fit(request, state.costs, budget)
         if not plain.dropped_history:

@@ -1,130 +1,16 @@
-"""Context assembly: each truncation strategy with exact token counts under the chat template."""
+"""The context stage on the bus: `summarize` without an engine falls back to dropping, and says why.
+(The fitting itself: test_fit.py; a summary the engine writes: test_pipeline.py.)"""
 
 from __future__ import annotations
 
 import anyio
 import pytest
 
-from schemas.events import (
-    CancelRequested,
-    ContextAssembled,
-    Document,
-    Message,
-    Request,
-    RequestAuthorized,
-    Sampling,
-)
+from schemas.events import CancelRequested, ContextAssembled, RequestAuthorized
 from stages import context, summarize
 from stages.runtime import worker as runtime
 from stages.runtime.bus import Bus, BusConfig
-from stages.runtime.worker import StageError
-from stages.tokenize import prompt_token_ids, tokenizer_for
-
-
-@pytest.fixture(scope="module")
-def costs() -> context.Costs:
-    return context.Costs(tokenizer_for("smollm2-135m"))
-
-
-HISTORY = [
-    Message(
-        role="user" if i % 2 == 0 else "assistant",
-        content=f"message number {i} about the weather in Paris",
-    )
-    for i in range(10)
-]
-
-
-def request(truncation: str, max_tokens: int = 10, **kw) -> Request:
-    return Request(
-        messages=[*HISTORY, Message(role="user", content="What now?")],
-        system="Be brief.",
-        documents=[Document(content="Paris is in France.", title="geo")],
-        truncation=truncation,
-        sampling=Sampling(max_tokens=max_tokens),
-        **kw,
-    )
-
-
-def parts(fit: context.Fit) -> list[tuple[str, int, int, int]]:
-    return [(p.name, p.num_tokens, p.num_dropped_tokens, p.num_dropped_items) for p in fit.parts]
-
-
-def true_length(fit: context.Fit, costs: context.Costs) -> int:
-    return len(prompt_token_ids(Request(messages=fit.messages), costs.tok))
-
-
-def test_everything_fits_untouched(costs: context.Costs) -> None:
-    fit = context.fit(request("drop_oldest"), costs, 1000)
-    assert parts(fit) == [
-        ("system", 8, 0, 0),
-        ("documents", 16, 0, 0),
-        ("history", 145, 0, 0),
-        ("user", 8, 0, 0),
-        ("template", 4, 0, 0),
-    ]
-    assert fit.num_prompt_tokens == true_length(fit, costs) == 181 and not fit.truncated
-    assert fit.messages[0] == Message(
-        role="system", content="Be brief.\n\nDocuments:\n\n[1] geo\nParis is in France."
-    )
-    assert fit.messages[1:] == [*HISTORY, Message(role="user", content="What now?")]
-
-
-def test_drop_oldest_drops_whole_messages(costs: context.Costs) -> None:
-    fit = context.fit(request("drop_oldest"), costs, 100)
-    assert parts(fit)[2] == ("history", 58, 87, 6)
-    assert fit.num_prompt_tokens == true_length(fit, costs) == 94
-    assert fit.messages[1:-1] == HISTORY[6:] and fit.truncated
-
-
-def test_sliding_window_cuts_the_boundary_message(costs: context.Costs) -> None:
-    fit = context.fit(request("sliding_window"), costs, 60)
-    assert parts(fit)[2] == ("history", 24, 121, 8)
-    assert fit.num_prompt_tokens == true_length(fit, costs) == 60  # the budget, exactly
-    assert fit.messages[1] == Message(role="user", content=" the weather in Paris")
-    assert fit.messages[2:-1] == HISTORY[9:]
-    drop = context.fit(request("drop_oldest"), costs, 60)
-    assert drop.num_prompt_tokens == true_length(drop, costs) == 51  # whole messages only
-
-
-def test_documents_go_after_all_history_then_context_length(costs: context.Costs) -> None:
-    fit = context.fit(request("drop_oldest"), costs, 30)
-    assert parts(fit) == [
-        ("system", 8, 0, 0),
-        ("documents", 0, 16, 1),
-        ("history", 0, 145, 10),
-        ("user", 8, 0, 0),
-        ("template", 4, 0, 0),
-    ]
-    assert fit.num_prompt_tokens == true_length(fit, costs) == 20
-    with pytest.raises(StageError) as info:
-        context.fit(request("drop_oldest"), costs, 19)
-    assert (info.value.code, info.value.field) == ("context_length", "messages")
-    assert info.value.message.startswith(
-        "the system prompt, documents and last message need 20 tokens"
-    )
-
-
-def test_budget_is_context_window_minus_max_tokens() -> None:
-    assert context.budget_for(request("drop_oldest", max_tokens=192), 256) == 64
-    with pytest.raises(
-        StageError, match=r"max_tokens=256 leaves no room .* 256-token context window"
-    ):
-        context.budget_for(request("drop_oldest", max_tokens=256), 256)
-
-
-def test_raw_prompt_fits_or_slides(costs: context.Costs) -> None:
-    text = "one two three four five six seven"
-    raw = Request(
-        messages=[Message(role="user", content=text)], raw_prompt=True, truncation="sliding_window"
-    )
-    whole = context.fit_raw_prompt(raw, costs, 7)
-    assert whole.messages == raw.messages and parts(whole) == [("user", 7, 0, 0)]
-    assert not whole.truncated and whole.num_prompt_tokens == 7
-    fit = context.fit_raw_prompt(raw, costs, 3)
-    assert fit.messages[0].content == " five six seven" and parts(fit) == [("user", 3, 4, 0)]
-    with pytest.raises(StageError, match="the prompt has 7 tokens but the context window leaves 3"):
-        context.fit_raw_prompt(Request(messages=raw.messages, raw_prompt=True), costs, 3)
+from tests.stages.test_fit import HISTORY, request
 
 
 @pytest.mark.anyio
