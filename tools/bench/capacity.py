@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tools.bench.load import fmt, measure
+from tools.bench.measure import fmt, measure
 from tools.log.sla import Sla, holds
 
 
