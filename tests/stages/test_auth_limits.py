@@ -1,4 +1,5 @@
-"""Rate limits and idempotency keys in the real auth stage: two workers on one durable."""
+"""Rate limits and idempotency keys in the auth stage: two served workers on one durable of a real
+server share a rate limit; the rules run through two workers' handlers on the fake bus (one KV)."""
 
 import anyio
 import msgspec
@@ -18,6 +19,7 @@ from stages import auth
 from stages.runtime.bus import Bus
 from stages.runtime.worker import serve
 from stages.tenancy import tenants
+from tests.fakebus import FakeBus, FakeServer, deliver, stage_worker
 
 pytestmark = pytest.mark.anyio
 KEY = "brg-limits-test-key-000000000000"
@@ -86,17 +88,31 @@ async def test_two_auth_workers_share_the_rate_limit(bus_config, tmp_path, monke
     assert {e.tenant for e in refused} == {"acme"}
 
 
-async def test_tokens_per_min_and_idempotency_keys(bus_config, tmp_path, monkeypatch):
+async def _through_two_handlers(events: list[RequestAccepted]) -> dict[str, object]:
+    """Each event to one of two auth workers in turn (their own state, one KV); the outcomes."""
+    server = FakeServer()
+    workers = [await stage_worker(auth.SPEC, FakeBus(server)) for _ in range(2)]
+    outcomes: dict[str, object] = {}
+    for i, event in enumerate(events):
+        worker = workers[i % 2]
+        assert (await deliver(worker, event)).outcome == "ack"
+        (out,) = (await worker.bus.replay(event.request_id))[1:]
+        outcomes[event.request_id] = out
+    return outcomes
+
+
+async def test_tokens_per_min_and_idempotency_keys(tmp_path, monkeypatch):
     # "hello" estimates 1 + 8 framing tokens; + max_tokens 8 -> 17 reserved per request
     _tenants(tmp_path, monkeypatch, tokens_per_min=40)
-    outcomes = await _through_two_workers(
-        bus_config,
+    outcomes = await _through_two_handlers(
         [
             _accepted("i1", idem="k1"),
             _accepted("i2", idem="k1"),  # same body: names the first run, starts nothing
             _accepted("i3", idem="k1", text="other"),  # other body: conflict
             _accepted("t1"),
             _accepted("t2", idem="k2"),  # over tokens/min: refused, and k2 is given back
+            # k2 was given back, so no conflict; this one alone is above tokens/min
+            _accepted("t3", idem="k2", text="x" * 400),
         ],
     )
     assert isinstance(outcomes["i1"], RequestAuthorized)
@@ -104,5 +120,7 @@ async def test_tokens_per_min_and_idempotency_keys(bus_config, tmp_path, monkeyp
     assert "already started run i1" in outcomes["i2"].message
     assert "different request body" in outcomes["i3"].message
     assert isinstance(outcomes["t1"], RequestAuthorized)
-    assert outcomes["t2"].code == "rate_limited"
+    assert (outcomes["t2"].code, outcomes["t2"].tenant) == ("rate_limited", "acme")
     assert "40 tokens/min" in outcomes["t2"].message
+    assert (outcomes["t3"].code, outcomes["t3"].field) == ("invalid_request", "max_tokens")
+    assert "reserves 116 tokens" in outcomes["t3"].message
