@@ -1,3 +1,5 @@
+"""Idempotency keys in KV: the rules on the fake bus, racing claims on a real server."""
+
 import anyio
 import pytest
 
@@ -5,6 +7,7 @@ from schemas import subjects
 from schemas.events import Message, Request, Sampling
 from stages.runtime.bus import Bus
 from stages.tenancy.idempotency import IdempotencyConflict, IdempotencyStore, kv_key, request_hash
+from tests.fakebus import FakeBus
 
 pytestmark = pytest.mark.anyio
 
@@ -24,8 +27,8 @@ def test_request_hash_ignores_the_key_but_not_content():
     assert kv_key("t1", "k") != kv_key("t2", "k")
 
 
-async def test_same_key_same_body_returns_the_first_run(bus_config):
-    bus = await Bus.connect(bus_config)
+async def test_same_key_same_body_returns_the_first_run():
+    bus = FakeBus()
     try:
         store = IdempotencyStore(await bus.kv(subjects.IDEMPOTENCY_BUCKET, ttl_s=3600))
         digest = request_hash(_req("hi"))
@@ -69,8 +72,8 @@ async def test_racing_claims_agree_on_one_run(bus_config):
             await b.close()
 
 
-async def test_take_over_only_from_the_named_stale_run(bus_config):
-    bus = await Bus.connect(bus_config)
+async def test_take_over_only_from_the_named_stale_run():
+    bus = FakeBus()
     now = [1_000 * 10**9]
     try:
         store = IdempotencyStore(

@@ -1,9 +1,13 @@
+"""Rate limits in KV: sequential rules on two workers sharing the fake bus, racing admissions on
+a real server."""
+
 import anyio
 import pytest
 
 from schemas import subjects
 from stages.runtime.bus import Bus
 from stages.tenancy.ratelimit import Buckets, Limits, RateLimited, RateLimiter, TooLarge, refill
+from tests.fakebus import FakeBus, FakeServer
 
 T0 = 1_000_000_000_000
 
@@ -24,8 +28,8 @@ def test_refill_is_continuous_and_capped():
     assert (b.requests, b.tokens) == (60.0, 600.0)
 
 
-async def _limiters(bus_config, n: int, clock: Clock) -> tuple[list[Bus], list[RateLimiter]]:
-    buses = [await Bus.connect(bus_config) for _ in range(n)]
+async def _limiters(buses: list[Bus], clock: Clock) -> tuple[list[Bus], list[RateLimiter]]:
+    """One limiter per bus (per worker), all on the same rates bucket."""
     kvs = [await b.kv(subjects.RATES_BUCKET, ttl_s=3600) for b in buses]
     return buses, [RateLimiter(kv, clock=clock) for kv in kvs]
 
@@ -33,7 +37,7 @@ async def _limiters(bus_config, n: int, clock: Clock) -> tuple[list[Bus], list[R
 @pytest.mark.anyio
 async def test_two_workers_share_one_requests_per_minute_budget(bus_config):
     clock = Clock()
-    buses, (w1, w2) = await _limiters(bus_config, 2, clock)
+    buses, (w1, w2) = await _limiters([await Bus.connect(bus_config) for _ in range(2)], clock)
     limits = Limits(requests_per_min=10)
     admitted, refused = [], []
     try:
@@ -61,9 +65,10 @@ async def test_two_workers_share_one_requests_per_minute_budget(bus_config):
 
 
 @pytest.mark.anyio
-async def test_tokens_reserved_then_settled_to_actual_usage(bus_config):
+async def test_tokens_reserved_then_settled_to_actual_usage():
     clock = Clock()
-    buses, (w1, w2) = await _limiters(bus_config, 2, clock)
+    server = FakeServer()
+    buses, (w1, w2) = await _limiters([FakeBus(server), FakeBus(server)], clock)
     limits = Limits(tokens_per_min=1000)
     try:
         await w1.admit("acme", "a", 600, limits)  # prompt 100 + max_tokens 500
@@ -82,9 +87,10 @@ async def test_tokens_reserved_then_settled_to_actual_usage(bus_config):
 
 
 @pytest.mark.anyio
-async def test_concurrent_runs_capped_until_settled(bus_config):
+async def test_concurrent_runs_capped_until_settled():
     clock = Clock()
-    buses, (w1, w2) = await _limiters(bus_config, 2, clock)
+    server = FakeServer()
+    buses, (w1, w2) = await _limiters([FakeBus(server), FakeBus(server)], clock)
     limits = Limits(max_concurrent=2)
     try:
         await w1.admit("acme", "a", 10, limits)
