@@ -19,6 +19,7 @@ COMMANDS = [
     "tools.log.replay",
     "tools.keys",
     "tools.usage",
+    "tools.config",
 ]
 BENCH = [
     "tools.bench.pipeline",
@@ -60,12 +61,30 @@ def _usage(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
+def _settings_ok(command: str) -> bool:
+    """Every setting parses (else each bad one is named, and the command does not start); an
+    unknown BRIGADE_* variable is a warning."""
+    from schemas import settings
+
+    found = settings.load()
+    for line in found.warnings():
+        print(f"brigade {command}: warning: {line}", file=sys.stderr)
+    try:
+        found.check()
+    except settings.InvalidSettings as err:
+        print(f"brigade {command}: {err}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         return _usage(parser)
+    if args.command != "config" and not _settings_ok(args.command):  # config says it itself
+        return 2
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:
