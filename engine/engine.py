@@ -11,17 +11,16 @@ import secrets
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from engine.block_manager import BlockManager
 from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.params import SamplingParams
-from engine.sampler import SamplingRequest, sample, top_logprobs, verify_draft
-from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from engine.sampler import SamplingRequest
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
-from engine.spec_decode import propose_ngram
+from engine.spec_decode import propose_drafts, sample_and_verify
 from engine.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,7 +44,7 @@ class EngineConfig:
     # reuse the K/V of full blocks a prompt shares with earlier ones (see block_manager.py)
     enable_prefix_caching: bool = False
     # speculative decoding with the n-gram proposer (spec_decode.py): draft tokens per step for
-    # greedy requests; 0 turns it off. Drafts are given while a step holds at most
+    # greedy and sampled requests; 0 turns it off. Drafts are given while a step holds at most
     # speculative_max_rows decode rows (on the CPU: 8, the int4 GEMV regime, where a few more
     # rows cost almost nothing)
     num_speculative_tokens: int = 0
@@ -192,78 +191,23 @@ class Engine:
         """One iteration: schedule -> run -> sample -> update. Outputs only for requests that
         got a token or ended (aborts since the last step first)."""
         outputs, self._aborted = self._aborted, []
-        batch = self.scheduler.schedule(self._drafts())
+        drafts = propose_drafts(
+            self.scheduler.running,
+            num_speculative_tokens=self.config.num_speculative_tokens,
+            max_rows=self.config.speculative_max_rows,
+            max_model_len=self.max_model_len,
+        )
+        batch = self.scheduler.schedule(drafts)
         if batch.is_empty:
             return outputs
         logits = self.runner.run(batch.scheduled)  # [num_sampled_rows, vocab] or None
         token_ids, logprobs = [], None
         if logits is not None:
-            token_ids, logprobs = self._sample(batch.scheduled, logits)
+            chunks = [s for s in batch.scheduled if s.samples]
+            requests = [self._sampling_request(s.seq) for s in chunks]
+            token_ids, logprobs = sample_and_verify(logits, [s.draft for s in chunks], requests)
         updated = self.scheduler.update(batch, token_ids, logprobs, self.model_config.eos_token_id)
         return outputs + [self._emit(seq, n) for seq, n in updated]
-
-    def _sample(
-        self, scheduled: list[ScheduledSeq], logits: Tensor
-    ) -> tuple[list[int], list[list[tuple[int, float]] | None] | None]:
-        """One token per row of logits. A greedy draft's rows are plain argmaxes (the scheduler
-        compares them with the draft); a sampled draft is verified here by speculative sampling,
-        its rows after the first rejection left as placeholders the scheduler never reads."""
-        rows = [(s, self._sampling_request(s.seq)) for s in scheduled if s.samples]
-        requests = [req for s, req in rows for _ in range(s.num_sampled_rows)]
-        if not any(s.draft and not req.params.greedy for s, req in rows):
-            return sample(logits, requests)
-        token_ids, plain, start = [0] * len(requests), [], 0
-        for s, req in rows:
-            n = s.num_sampled_rows
-            if s.draft and not req.params.greedy:
-                got = verify_draft(logits[start : start + n], list(s.draft), req)
-                token_ids[start : start + len(got)] = got
-            else:
-                plain += range(start, start + n)
-            start += n
-        if plain:
-            drawn, _ = sample(logits[plain], [requests[i] for i in plain])
-            for i, t in zip(plain, drawn, strict=True):
-                token_ids[i] = t
-        logprobs = None
-        if any(r.params.logprobs is not None for r in requests):
-            logprobs = top_logprobs(logits, torch.tensor(token_ids, device=logits.device), requests)
-        return token_ids, logprobs
-
-    def _drafts(self) -> dict[str, list[int]]:
-        """N-gram drafts for the running decodes, in scheduling order, while the step's decode
-        rows stay within speculative_max_rows. Only requests whose next tokens depend on their
-        own position's logits alone get one (no penalties, past min_tokens): a greedy draft is
-        verified against the argmax at each position, a sampled one by speculative sampling."""
-        k = self.config.num_speculative_tokens
-        if k == 0:
-            return {}
-        running = self.scheduler.running
-        rows = sum(1 for seq in running if seq.num_uncomputed_tokens == 1)
-        drafts: dict[str, list[int]] = {}
-        for seq in sorted(running, key=lambda s: s.sort_key):
-            p = seq.params
-            if (
-                seq.num_uncomputed_tokens != 1
-                or p.repetition_penalty != 1.0
-                or p.presence_penalty
-                or p.frequency_penalty
-                or seq.num_output_tokens < p.min_tokens
-            ):
-                continue
-            room = min(
-                k,
-                self.config.speculative_max_rows - rows,
-                p.max_tokens - seq.num_output_tokens - 1,  # the last token needs no draft
-                self.max_model_len - seq.num_tokens - 1,
-            )
-            if room < 1:
-                continue
-            draft = propose_ngram(seq.token_ids, room)
-            if draft:
-                drafts[seq.request_id] = draft
-                rows += len(draft)
-        return drafts
 
     def _sampling_request(self, seq: Sequence) -> SamplingRequest:
         p = seq.params

@@ -143,31 +143,6 @@ def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return x.softmax(dim=-1)
 
 
-def verify_draft(
-    logits: Tensor, draft: list[int], request: SamplingRequest
-) -> list[int]:  # logits [len(draft) + 1, vocab]: after the real token, then after each draft's
-    """Speculative sampling for a sampled (temperature > 0) request whose draft came from a
-    deterministic proposer. Draft token d at row j stands with probability p_j(d); the first one
-    rejected is replaced by a draw from p_j without d (renormalized), and when all stand a last
-    token is drawn from the final row. Each token so produced is distributed exactly as the
-    request's own sampling would draw it (the speculative sampling theorem, with a one-hot draft
-    distribution). Returns the tokens in order: the accepted drafts, then one more."""
-    probs = filtered_probs(logits, request.params).double()  # [m + 1, vocab]
-    gen = request.generator
-    out: list[int] = []
-    for j, d in enumerate(draft):
-        u = torch.rand((), generator=gen, dtype=torch.float64, device=probs.device)
-        if u < probs[j, d]:
-            out.append(d)
-            continue
-        residual = probs[j].clone()
-        residual[d] = 0.0
-        out.append(int(torch.multinomial(residual, 1, generator=gen)))
-        return out
-    out.append(int(torch.multinomial(probs[-1], 1, generator=gen)))
-    return out
-
-
 def top_logprobs(
     logits: Tensor, token_ids: Tensor, requests: list[SamplingRequest]
 ) -> list[list[tuple[int, float]] | None]:

@@ -8,7 +8,7 @@ Every running sequence is guaranteed at least one token per step, so a long prom
 prefilled in chunks never stalls the decodes running beside it. When blocks run out, the last
 sequence in that order is preempted by recompute: its blocks are freed and it waits again.
 A decode may carry a speculative draft (engine/spec_decode.py): its tokens are computed in the
-same chunk and verified in `update`, token by token, against what the model sampled.
+same chunk; `update` takes the verified run and keeps the K/V of the accepted draft tokens.
 """
 
 from __future__ import annotations
@@ -176,44 +176,50 @@ class Scheduler:
     def update(
         self,
         out: SchedulerOutput,
-        sampled_token_ids: list[int],
-        logprobs: list[list[tuple[int, float]]] | None,
+        new_token_ids: list[list[int]],
+        logprobs: list[list[list[tuple[int, float]] | None]] | None,
         eos_token_id: int,
     ) -> list[tuple[Sequence, int]]:
-        """Advance computed tokens, append sampled tokens, finish stopped sequences.
+        """Advance computed tokens, append the new tokens, finish stopped sequences.
 
-        `sampled_token_ids` holds `num_sampled_rows` tokens per scheduled seq, in order: for a
-        decode with a draft, the model's token after each position. The draft is verified: its
-        tokens stand while they equal the model's, then the model's own next token follows.
+        `new_token_ids` holds one entry per chunk that samples (`s.samples`), in scheduling
+        order: the tokens verified for it (engine/spec_decode.py), its accepted draft tokens
+        and then one more; a chunk without a draft gets one token. `logprobs`, when given, is
+        aligned with it token by token. The accepted draft tokens' K/V were computed in this
+        step with the right tokens, so they count as computed; the rest of the draft is dropped.
         Returns (sequence, tokens it received) for the sequences that received any.
         """
         updated = []
-        k = 0
+        k = 0  # entries of new_token_ids used
         for s in out.scheduled:
             seq = s.seq
             seq.num_computed_tokens += s.num_real_tokens
             self.block_manager.cache_full_blocks(seq)
-            rows = s.num_sampled_rows
-            targets, k = sampled_token_ids[k : k + rows], k + rows
+            if not s.samples:
+                continue
+            token_ids = new_token_ids[k]
+            token_logprobs = None if logprobs is None else logprobs[k]
+            k += 1
+            assert 1 <= len(token_ids) <= s.num_sampled_rows, (
+                f"{len(token_ids)} tokens for {seq.request_id}'s {s.num_sampled_rows} rows"
+            )
             num_received = 0
-            for j, token_id in enumerate(targets):
-                if logprobs is not None and seq.params.logprobs is not None:
-                    seq.logprobs.append(logprobs[k - rows + j])
+            for j, token_id in enumerate(token_ids):
+                if token_logprobs is not None and seq.params.logprobs is not None:
+                    seq.logprobs.append(token_logprobs[j])
                 seq.append_token(token_id)
                 num_received += 1
                 reason = self._stop_reason(seq, token_id, eos_token_id)
                 if reason is not None:
                     self.finish(seq, reason)
                     break
-                if j == len(s.draft) or s.draft[j] != token_id:
-                    break  # the rest of the draft was computed on a wrong token: dropped
-                seq.num_computed_tokens += 1  # the draft token's K/V were the right ones
-                self.block_manager.cache_full_blocks(seq)
-                self.num_accepted_draft_tokens += 1
+                if j < len(token_ids) - 1:  # an accepted draft token: its K/V are the right ones
+                    seq.num_computed_tokens += 1
+                    self.block_manager.cache_full_blocks(seq)
+                    self.num_accepted_draft_tokens += 1
             self.num_draft_tokens += len(s.draft)
-            if num_received:
-                updated.append((seq, num_received))
-        assert k == len(sampled_token_ids), f"{len(sampled_token_ids)} tokens for {k} rows"
+            updated.append((seq, num_received))
+        assert k == len(new_token_ids), f"{len(new_token_ids)} token runs for {k} sampling chunks"
         return updated
 
     def _stop_reason(self, seq: Sequence, token_id: int, eos_token_id: int) -> str | None:

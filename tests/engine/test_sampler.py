@@ -10,9 +10,7 @@ from engine.sampler import (
     apply_penalties,
     apply_top_k,
     apply_top_p,
-    filtered_probs,
     sample,
-    verify_draft,
 )
 
 NEG = float("-inf")
@@ -164,26 +162,3 @@ def test_top_p_of_a_row_does_not_depend_on_the_rows_beside_it():
     together = apply_top_p(logits, p)
     for i in range(6):
         assert torch.equal(apply_top_p(logits[i : i + 1], p[i : i + 1]), together[i : i + 1])
-
-
-def test_speculative_sampling_draws_each_token_from_the_requests_own_distribution():
-    """A one-token draft d at row 0: it stands with probability p0(d), else a draw from p0
-    without d; either way the first token is distributed as p0 (top-p applied). When it
-    stands, the next token is a draw from row 1."""
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0], [0.0, 3.0, 1.0, 0.0, 0.0, 0.0]])
-    r = req(seed=11, temperature=0.9, top_p=0.95)
-    p = filtered_probs(logits, r.params)  # [2, 6]
-    assert p[0, 5] == 0 and float(p[0].sum()) == pytest.approx(1.0)  # top-p cut the tail
-    n, draft = 12000, 1
-    first, second = torch.zeros(6), torch.zeros(6)
-    accepted = 0
-    for _ in range(n):
-        out = verify_draft(logits, [draft], r)
-        first[out[0]] += 1
-        if len(out) == 2:  # the draft stood: a second token from row 1
-            assert out[0] == draft
-            accepted += 1
-            second[out[1]] += 1
-    assert accepted / n == pytest.approx(float(p[0, draft]), abs=0.01)
-    torch.testing.assert_close(first / n, p[0], atol=0.012, rtol=0)
-    torch.testing.assert_close(second / accepted, p[1], atol=0.02, rtol=0)

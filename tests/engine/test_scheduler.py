@@ -39,7 +39,7 @@ def step(sched, token=100):
     out = sched.schedule()
     plan = [(s.seq.request_id, s.start, s.num_new_tokens) for s in out.scheduled]
     n_samples = sum(s.samples for s in out.scheduled)
-    sched.update(out, [token] * n_samples, None, EOS)
+    sched.update(out, [[token] for _ in range(n_samples)], None, EOS)
     return plan, [s.request_id for s in out.preempted]
 
 
@@ -193,17 +193,17 @@ def test_a_draft_is_scheduled_and_verified_token_by_token():
     a = arr.add("a", 5, temperature=0.0, stop_token_ids=(77,))
     step(sched, token=50)  # prefill, then the first output token
     assert (a.num_computed_tokens, a.output_token_ids) == (5, [50])
-    # draft 60 61 62 after 50: the model agrees with 60 and 61, then says 70 (not 62)
+    # draft 60 61 62 after 50; verified (spec_decode.py): 60 and 61 stand, then the model's 70
     out = sched.schedule({"a": [60, 61, 62]})
     (s,) = out.scheduled
     assert (s.start, s.num_new_tokens, s.draft, s.num_sampled_rows) == (5, 4, (60, 61, 62), 4)
-    updated = sched.update(out, [60, 61, 70, 99], None, EOS)
+    updated = sched.update(out, [[60, 61, 70]], None, EOS)
     assert updated == [(a, 3)] and a.output_token_ids == [50, 60, 61, 70]
     assert a.num_computed_tokens == 8  # 50, 60, 61 have K/V; 70 (and the dropped 62) not
     assert (sched.num_draft_tokens, sched.num_accepted_draft_tokens) == (3, 2)
-    # a stop id inside an agreed draft ends the request there; the rest is dropped
+    # a stop id inside an accepted run ends the request there; the rest is dropped
     out = sched.schedule({"a": [71, 77, 72]})
-    assert sched.update(out, [71, 77, 72, 73], None, EOS) == [(a, 2)]
+    assert sched.update(out, [[71, 77, 72, 73]], None, EOS) == [(a, 2)]
     assert a.output_token_ids == [50, 60, 61, 70, 71, 77] and a.finish_reason == "stop"
     assert a.block_table == [] and sched.block_manager.num_free_blocks == 32
 
