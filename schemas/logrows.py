@@ -7,11 +7,12 @@ text), so fields added to an event later are queryable without a change here.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import msgspec
+
+from schemas import settings
 
 # Column name -> DuckDB type, in file order. `stream_seq` is the JetStream sequence (unique in
 # the log); `stored_ns` is the server's store time; `num_tokens` is len(token_ids) of a `tokens`
@@ -99,11 +100,7 @@ def sql_path(path: Path | str) -> str:
     return str(path).replace("'", "''")
 
 
-ARCHIVE_DIR_ENV = "BRIGADE_ARCHIVE_DIR"
-
-
 def default_archive_dir() -> Path:
     """Where the archiver writes and the tools read: $BRIGADE_ARCHIVE_DIR, else `archive` in
     the data directory ($BRIGADE_DATA_DIR, else .brigade)."""
-    data_dir = Path(os.environ.get("BRIGADE_DATA_DIR") or ".brigade")
-    return Path(os.environ.get(ARCHIVE_DIR_ENV) or data_dir / "archive")
+    return settings.ARCHIVE_DIR.get() or settings.DATA_DIR.get() / "archive"

@@ -7,12 +7,11 @@ never stored), normalizes the submit into a `Request`, and answers on the submit
 
 from __future__ import annotations
 
-import os
 import time
 
 import msgspec
 
-from schemas import subjects
+from schemas import settings, subjects
 from schemas.events import (
     Event,
     Message,
@@ -28,13 +27,11 @@ from stages.runtime.worker import StageError, StageSpec, error_field, new_reques
 from stages.tenancy.tenants import hash_key
 
 STAGE = "gateway"
-MAX_TEXT_CHARS_ENV = "BRIGADE_MAX_SUBMIT_CHARS"
-DEFAULT_MAX_TEXT_CHARS = 2_000_000  # all messages, system and documents of one submit together
 SAMPLING_FIELDS = tuple(f.name for f in msgspec.structs.fields(Sampling))
 
 
 def max_text_chars() -> int:
-    return int(os.environ.get(MAX_TEXT_CHARS_ENV) or DEFAULT_MAX_TEXT_CHARS)
+    return settings.MAX_SUBMIT_CHARS.get()
 
 
 def _invalid(field: str, message: str) -> StageError:
@@ -75,7 +72,7 @@ def normalize(submit: Submit, *, limit_chars: int) -> Request:
         raise _invalid(
             "messages" if submit.prompt is None else "prompt",
             f"the submit holds {num_chars} characters of text; the limit is {limit_chars} "
-            f"({MAX_TEXT_CHARS_ENV})",
+            f"({settings.MAX_SUBMIT_CHARS.name})",
         )
     return Request(
         messages=messages,

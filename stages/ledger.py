@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import anyio
 import anyio.to_thread
 import duckdb
 
-from schemas import subjects
+from schemas import settings, subjects
 from schemas.events import (
     Event,
     RequestFailed,
@@ -36,7 +35,6 @@ from stages.runtime.worker import StageContext, StageSpec
 from stages.tenancy import idempotency, ratelimit
 
 STAGE = "ledger"
-DB_ENV = "BRIGADE_LEDGER_DB"
 BILLING_TYPE = "run"
 LOCK_TIMEOUT_S = 30.0
 LINGER_S = 0.01  # gather concurrent rows into one open of the file
@@ -65,8 +63,7 @@ Terminal = RunCompleted | RunCancelled | RequestFailed
 
 
 def default_path() -> Path:
-    env = os.environ.get(DB_ENV)
-    return Path(env) if env else natsd.default_data_dir() / "ledger.duckdb"
+    return settings.LEDGER_DB.get() or natsd.default_data_dir() / "ledger.duckdb"
 
 
 def billing_key(tenant: str | None, request_id: str, billing_type: str = BILLING_TYPE) -> str:

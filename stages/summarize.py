@@ -10,12 +10,11 @@ plain dropping; `assembled.fallback` records why.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 
 import anyio
 
-from schemas import subjects
+from schemas import settings, subjects
 from schemas.events import (
     CancelRequested,
     ContextAssembled,
@@ -29,8 +28,6 @@ from schemas.events import (
 from stages.fit import SUMMARY_HEADER, assembled, fit
 from stages.runtime.worker import StageContext, StageError
 
-TIMEOUT_ENV = "BRIGADE_SUMMARY_TIMEOUT_S"
-MAX_TOKENS_ENV = "BRIGADE_SUMMARY_MAX_TOKENS"
 INSTRUCTION = (
     "Summarize the conversation below in a few sentences. Keep names, numbers, facts and "
     "decisions; write only the summary."
@@ -56,8 +53,8 @@ def transcript(messages: list[Message]) -> str:
 class Summarizer:
     def __init__(self, ctx: StageContext) -> None:
         self.bus = ctx.bus
-        self.timeout_s = float(os.environ.get(TIMEOUT_ENV) or 60.0)
-        self.max_tokens = int(os.environ.get(MAX_TOKENS_ENV) or 128)
+        self.timeout_s = settings.SUMMARY_TIMEOUT_S.get()
+        self.max_tokens = settings.SUMMARY_MAX_TOKENS.get()
 
     async def assemble(self, event: RequestAuthorized, state, budget: int) -> ContextAssembled:
         request = event.request
@@ -139,7 +136,7 @@ class Summarizer:
                 CancelRequested(request_id=nested, tenant=parent.tenant, reason="timeout")
             )
             raise SummaryFailed(
-                f"no summary from run {nested} within {self.timeout_s:g} s ({TIMEOUT_ENV})"
+                f"no summary from run {nested} within {self.timeout_s:g} s ({settings.SUMMARY_TIMEOUT_S.name})"
             ) from None
         finally:
             await sub.unsubscribe()

@@ -5,15 +5,13 @@
 from __future__ import annotations
 
 import functools
-import os
 
 from engine.tokenizer import Tokenizer, load_tokenizer
+from schemas import settings
 from schemas.events import ContextAssembled, Event, PromptTokenized, Request, decoder_for
 from stages.runtime.worker import StageContext, StageError, StageSpec
 
 STAGE = "tokenize"
-MODEL_ENV = "BRIGADE_MODEL"  # the engine's model; its tokenizer must be this stage's
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @functools.cache
@@ -22,7 +20,8 @@ def tokenizer_for(model: str) -> Tokenizer:
 
 
 def served_model() -> str:
-    return os.environ.get(MODEL_ENV) or DEFAULT_MODEL
+    """The engine's model (BRIGADE_MODEL): its tokenizer must be this stage's."""
+    return settings.MODEL.get()
 
 
 def prompt_token_ids(request: Request, tokenizer: Tokenizer) -> list[int]:

@@ -7,12 +7,12 @@ CPU work neither holds this process's GIL nor outranks it; `--procs` runs every 
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
 
+from schemas import settings
 from tools.stage_procs import StageProcesses
 
 # Run as child processes even without --procs: the engine's steps would hold this process's GIL,
@@ -236,7 +236,7 @@ class _SignalFlag:
 def _banner(plan: Plan) -> None:
     lines = [f"Brigade is up: {len(plan.stages)} stages on {plan.url}"]
     if "edge" in plan.stages:
-        port = os.environ.get("BRIGADE_EDGE_PORT", "8080")
+        port = settings.EDGE_PORT.get()
         lines.append(
             f"  edge:   http://127.0.0.1:{port}/v1/chat/completions  ws://127.0.0.1:{port}/v1/stream"
         )
@@ -263,7 +263,7 @@ def run(args) -> int:
         print(f"brigade up: {err}", file=sys.stderr)
         return 2
     progress = Progress()
-    url = args.nats_url or os.environ.get("NATS_URL")
+    url = args.nats_url or ",".join(settings.NATS_URL.get())
     server = None
     if not url:
         running = natsd.find_running()

@@ -7,15 +7,15 @@ itself travels on to the pipeline in the submit (the gateway hashes it) and is n
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from schemas import settings
 from stages.edge.errors import RequestError
 from stages.tenancy import tenants
 
-DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL = settings.MODEL.default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +51,7 @@ class KeyRing:
 
     @classmethod
     def from_env(cls) -> KeyRing:
-        return cls(tenants.default_path(), (os.environ.get("BRIGADE_MODEL", DEFAULT_MODEL),))
+        return cls(tenants.default_path(), (settings.MODEL.get(),))
 
     def _refresh(self) -> None:
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
-from schemas import subjects
+from schemas import settings, subjects
 from schemas.events import AnyEvent, Event, Submit, SubmitReply, decode_event, encode
 from stages.runtime import natsd
 
@@ -59,7 +58,7 @@ class BusConfig:
     @classmethod
     def from_env(cls, url: str | None = None, **overrides: float | int) -> BusConfig:
         """NATS_URL / `url` (comma-separated), else the running private server, else an error."""
-        servers = _split(url or os.environ.get("NATS_URL", ""))
+        servers = _split(url) if url else settings.NATS_URL.get()
         if not servers:
             running = natsd.find_running()
             if running is None:
@@ -69,15 +68,10 @@ class BusConfig:
                     f"{natsd.STATE_FILE})"
                 )
             servers = (running.url,)
-        env = {
-            "events_max_age_s": os.environ.get("BRIGADE_EVENTS_MAX_AGE_S"),
-            "replicas": os.environ.get("BRIGADE_STREAM_REPLICAS"),
+        kwargs: dict[str, float | int] = {
+            "events_max_age_s": settings.EVENTS_MAX_AGE_S.get(),
+            "replicas": settings.STREAM_REPLICAS.get(),
         }
-        kwargs: dict[str, float | int] = {}
-        if env["events_max_age_s"]:
-            kwargs["events_max_age_s"] = float(env["events_max_age_s"])
-        if env["replicas"]:
-            kwargs["replicas"] = int(env["replicas"])
         kwargs.update(overrides)
         return cls(servers=servers, **kwargs)  # type: ignore[arg-type]
 

@@ -13,9 +13,12 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
-ENV = "BRIGADE_ENGINE_CPU_PRIORITY"
-BACKGROUND_ENV = "BRIGADE_BACKGROUND_CPU_PRIORITY"  # ledger and archiver processes
-DEFAULT = "batch:19"  # as quick to yield as SCHED_IDLE here, less starved by other work
+from schemas import settings
+
+ENV = settings.ENGINE_CPU_PRIORITY.name
+BACKGROUND_ENV = settings.BACKGROUND_CPU_PRIORITY.name  # ledger and archiver processes
+# batch:19 is as quick to yield as SCHED_IDLE here, less starved by other work
+DEFAULT = settings.ENGINE_CPU_PRIORITY.default
 log = logging.getLogger("brigade.cpu_priority")
 
 
@@ -52,7 +55,8 @@ class CpuPriority:
 
     @classmethod
     def from_env(cls, env: str = ENV) -> CpuPriority:
-        return cls.parse(os.environ.get(env) or DEFAULT, env)
+        """The priority the setting named `env` holds (ENV or BACKGROUND_ENV)."""
+        return cls.parse(settings.BY_NAME[env].get(), env)
 
 
 def apply_to_current_thread(priority: CpuPriority) -> bool:

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_DATA_DIR = Path(".brigade")
-DATA_DIR_ENV = "BRIGADE_DATA_DIR"
+from schemas import settings
+
 STATE_FILE = "nats.json"
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024  # a 10 MB prompt must reach the gateway to be refused there
 
@@ -33,7 +33,7 @@ class NatsServer:
 
 
 def default_data_dir() -> Path:
-    return Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR)
+    return settings.DATA_DIR.get()
 
 
 def server_binary() -> Path:

@@ -17,10 +17,9 @@ import msgspec
 import tomli_w
 from msgspec import Meta
 
+from schemas import settings
 from stages.runtime import natsd
 
-TENANTS_ENV = "BRIGADE_TENANTS"  # path of tenants.toml (default: <data dir>/tenants.toml)
-API_KEY_ENV = "BRIGADE_API_KEY"  # the dev tenant's key for `brigade up` / `brigade ask`
 DEV_TENANT = "dev"
 DEV_KEY_FILE = "dev.key"  # the dev key for a second terminal; mode 0600, beside tenants.toml
 KEY_PREFIX = "brg-"
@@ -54,8 +53,7 @@ def new_key() -> str:
 
 
 def default_path() -> Path:
-    env = os.environ.get(TENANTS_ENV)
-    return Path(env) if env else natsd.default_data_dir() / "tenants.toml"
+    return settings.TENANTS.get() or natsd.default_data_dir() / "tenants.toml"
 
 
 class Tenants:
@@ -123,7 +121,7 @@ def provision_dev(path: Path | None = None) -> tuple[str, bool]:
     """
     path = path or default_path()
     key_file = path.parent / DEV_KEY_FILE
-    key = os.environ.get(API_KEY_ENV)
+    key = settings.API_KEY.get()
     generated = False
     if not key and key_file.exists():
         key = key_file.read_text().strip()
@@ -139,7 +137,7 @@ def provision_dev(path: Path | None = None) -> tuple[str, bool]:
 
 def dev_key(path: Path | None = None) -> str | None:
     """The key `brigade ask` uses: BRIGADE_API_KEY, else the one `brigade up` saved."""
-    key = os.environ.get(API_KEY_ENV)
+    key = settings.API_KEY.get()
     if key:
         return key
     key_file = (path or default_path()).parent / DEV_KEY_FILE

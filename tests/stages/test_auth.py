@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from schemas import settings
 from schemas.events import Message, Request, RequestAccepted, Sampling
 from stages import auth
 from stages.runtime.worker import StageError
@@ -125,13 +126,13 @@ def test_provision_dev_from_env_or_generated(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "tenants.toml"
-    monkeypatch.delenv(tenants.API_KEY_ENV, raising=False)
+    monkeypatch.delenv(settings.API_KEY.name, raising=False)
     key, generated = tenants.provision_dev(path)
     assert generated and key.startswith("brg-") and len(key) == 36
     assert tenants.provision_dev(path) == (key, False)  # the saved key is reused
     assert stat.S_IMODE((tmp_path / "dev.key").stat().st_mode) == 0o600
     assert tenants.dev_key(path) == key
-    monkeypatch.setenv(tenants.API_KEY_ENV, "from-env")
+    monkeypatch.setenv(settings.API_KEY.name, "from-env")
     assert tenants.provision_dev(path) == ("from-env", False)
     loaded = tenants.load(path)
     assert loaded.lookup(tenants.hash_key("from-env"))[0] == "dev"

@@ -43,7 +43,7 @@ def _tenants(tmp_path, monkeypatch, **settings) -> None:
     file = tenants.read_file(path)
     file.tenants["acme"] = msgspec.structs.replace(file.tenants["acme"], **settings)
     tenants.write_file(path, file)
-    monkeypatch.setenv(tenants.TENANTS_ENV, str(path))
+    monkeypatch.setenv("BRIGADE_TENANTS", str(path))
 
 
 async def _through_two_workers(bus_config, events: list[RequestAccepted]) -> dict[str, object]:

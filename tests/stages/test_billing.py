@@ -4,7 +4,7 @@ actual usage once. Runs on the fake bus (the served ledger on a real server: tes
 import duckdb
 import pytest
 
-from schemas import subjects
+from schemas import settings, subjects
 from schemas.events import (
     Message,
     Request,
@@ -26,7 +26,7 @@ USAGE = Usage(prompt_tokens=12, completion_tokens=5)
 
 async def test_billed_once_per_idempotency_key_and_reservations_settled(tmp_path, monkeypatch):
     db = tmp_path / "ledger.duckdb"
-    monkeypatch.setenv(ledger.DB_ENV, str(db))
+    monkeypatch.setenv(settings.LEDGER_DB.name, str(db))
     request = Request(
         messages=[Message(role="user", content="hi")],
         idempotency_key="order-7",

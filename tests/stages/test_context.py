@@ -6,6 +6,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from schemas import settings
 from schemas.events import CancelRequested, ContextAssembled, RequestAuthorized
 from stages import context, summarize
 from stages.runtime import worker as runtime
@@ -18,7 +19,7 @@ async def test_summarize_without_engine_falls_back_and_records_why(
     bus_config: BusConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No engine serves the nested run: it is cancelled after the timeout and drop_oldest applies."""
-    monkeypatch.setenv(summarize.TIMEOUT_ENV, "0.5")
+    monkeypatch.setenv(settings.SUMMARY_TIMEOUT_S.name, "0.5")
     monkeypatch.setenv(context.MAX_MODEL_LEN_ENV, "400")
     bus = await Bus.connect(bus_config)
     stop, ready = anyio.Event(), anyio.Event()

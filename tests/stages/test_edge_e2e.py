@@ -15,7 +15,7 @@ import pytest
 import websockets
 from nats.js.errors import NotFoundError
 
-from schemas import subjects
+from schemas import settings, subjects
 from schemas.events import Submit, TextGenerated, decode_event
 from stages import gateway, ledger
 from stages.edge.admission import AdmissionConfig
@@ -47,7 +47,7 @@ async def pipeline(tmp_path_factory):
     file.tenants["globex"] = msgspec.structs.replace(file.tenants["globex"], allowed_models=[MODEL])
     file.tenants["slow"] = msgspec.structs.replace(file.tenants["slow"], requests_per_min=1)
     tenants.write_file(path, file)
-    env = {tenants.TENANTS_ENV: str(path), ledger.DB_ENV: str(data / "ledger.duckdb")}
+    env = {settings.TENANTS.name: str(path), settings.LEDGER_DB.name: str(data / "ledger.duckdb")}
     before = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     admission = AdmissionConfig(max_waiting_tokens=400)

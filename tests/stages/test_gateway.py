@@ -8,6 +8,7 @@ import anyio
 import msgspec
 import pytest
 
+from schemas import settings
 from schemas.events import RequestAccepted, RequestFailed, Submit, decode_submit
 from stages import gateway
 from stages.runtime import worker as runtime
@@ -102,7 +103,7 @@ def test_ten_megabyte_prompt_is_refused_with_sizes() -> None:
 
 
 def test_total_text_limit_counts_every_part(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(gateway.MAX_TEXT_CHARS_ENV, "10")
+    monkeypatch.setenv(settings.MAX_SUBMIT_CHARS.name, "10")
     out = submit_result(b'{"system": "12345", "messages": [{"role": "user", "content": "123456"}]}')
     assert isinstance(out, RequestFailed) and out.field == "messages"
     assert (

@@ -9,7 +9,7 @@ import anyio
 import duckdb
 import pytest
 
-from schemas import subjects
+from schemas import settings, subjects
 from schemas.events import RequestFailed, RunBilled, RunCancelled, RunCompleted, Usage, encode
 from stages import ledger
 from stages.runtime import worker as runtime
@@ -96,7 +96,7 @@ async def test_redelivered_terminal_events_bill_once(
     bus_config: BusConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     db = tmp_path / "ledger.duckdb"
-    monkeypatch.setenv(ledger.DB_ENV, str(db))
+    monkeypatch.setenv(settings.LEDGER_DB.name, str(db))
     bus = await Bus.connect(bus_config)
     stop, ready = anyio.Event(), anyio.Event()
     async with anyio.create_task_group() as tg:

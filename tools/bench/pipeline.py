@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from schemas import settings
 from tools.bench.pipeline_report import Seen, analyse, markdown, pct
 
 QUESTIONS = [
@@ -257,7 +258,7 @@ def run(args) -> int:
         "in one with the client"
         if args.in_process
         else "one process per stage",
-        "model": os.environ.get("BRIGADE_MODEL", "smollm2-135m"),
+        "model": settings.MODEL.get(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"1-min load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run",
         "alone": {k: v for k, v in alone.items() if k != "token_ids"},

@@ -7,8 +7,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from schemas import settings
 from schemas.logrows import (
-    ARCHIVE_DIR_ENV,
     COLUMNS,
     default_archive_dir,
     read_json_sql,
@@ -98,7 +98,7 @@ def add_source_args(parser) -> None:
         "--archive",
         type=Path,
         default=None,
-        help=f"archive directory (default: ${ARCHIVE_DIR_ENV} or .brigade/archive)",
+        help=f"archive directory (default: ${settings.ARCHIVE_DIR.name} or .brigade/archive)",
     )
     parser.add_argument(
         "--no-stream",

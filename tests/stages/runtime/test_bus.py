@@ -7,7 +7,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from schemas import subjects
+from schemas import settings, subjects
 from schemas.events import CancelRequested, TextGenerated
 from stages.runtime import natsd
 from stages.runtime.bus import Bus, BusConfig, ConsumerSpec
@@ -82,9 +82,9 @@ async def test_config_from_env_url_list_and_running_server(
     monkeypatch.setenv("NATS_URL", "nats://a:4222, nats://b:4222,nats://c:4222")
     assert BusConfig.from_env().servers == ("nats://a:4222", "nats://b:4222", "nats://c:4222")
     monkeypatch.delenv("NATS_URL")
-    monkeypatch.setenv(natsd.DATA_DIR_ENV, str(nats_server.data_dir))
+    monkeypatch.setenv(settings.DATA_DIR.name, str(nats_server.data_dir))
     assert BusConfig.from_env().servers == (nats_server.url,)
-    monkeypatch.setenv(natsd.DATA_DIR_ENV, str(tmp_path / "empty"))
+    monkeypatch.setenv(settings.DATA_DIR.name, str(tmp_path / "empty"))
     with pytest.raises(RuntimeError, match="set NATS_URL"):
         BusConfig.from_env()
 
