@@ -4,9 +4,9 @@ with truncation `summarize`, the dropped history summarized by the engine (summa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from schemas import settings
 from schemas.events import Event, RequestAuthorized, decoder_for
 from stages.fit import Costs, assembled, budget_for, fit, fit_raw_prompt
 from stages.runtime.worker import StageContext, StageSpec
@@ -14,7 +14,6 @@ from stages.summarize import Summarizer
 from stages.tokenize import served_model, tokenizer_for
 
 STAGE = "context"
-MAX_MODEL_LEN_ENV = "BRIGADE_MAX_MODEL_LEN"  # must match the engine's max_model_len when smaller
 
 
 @dataclass
@@ -36,7 +35,7 @@ async def handle(event: RequestAuthorized, state: ContextState) -> list[Event]:
 
 async def setup(ctx: StageContext) -> ContextState:
     tokenizer = tokenizer_for(served_model())
-    max_len = int(os.environ.get(MAX_MODEL_LEN_ENV) or tokenizer.max_model_len)
+    max_len = settings.MAX_MODEL_LEN.get() or tokenizer.max_model_len  # the engine's, if smaller
     return ContextState(costs=Costs(tokenizer), max_model_len=max_len, summarizer=Summarizer(ctx))
 
 

@@ -10,7 +10,6 @@ assembles them.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections import Counter
@@ -23,7 +22,7 @@ import msgspec
 from nats.js.errors import NotFoundError
 from starlette.requests import HTTPConnection
 
-from schemas import subjects
+from schemas import settings, subjects
 from schemas.events import AnyEvent, CancelRequested, Submit, TextGenerated, decode_event, encode
 from stages import gateway
 from stages.edge.admission import AdmissionConfig, AdmissionGate
@@ -55,17 +54,17 @@ class EdgeConfig:
 
     @classmethod
     def from_env(cls) -> EdgeConfig:
-        env = os.environ
+        found = settings.load()
         return cls(
-            host=env.get("BRIGADE_EDGE_HOST", "127.0.0.1"),
-            port=int(env.get("BRIGADE_EDGE_PORT", "8080")),
-            max_body_bytes=int(env.get("BRIGADE_EDGE_MAX_BODY", str(1 << 20))),
-            max_header_bytes=int(env.get("BRIGADE_EDGE_MAX_HEADERS", str(16 << 10))),
-            max_frame_bytes=int(env.get("BRIGADE_EDGE_MAX_FRAME", str(1 << 20))),
-            reconnect_grace_s=float(env.get("BRIGADE_EDGE_RECONNECT_GRACE_S", "15")),
+            host=found[settings.EDGE_HOST],
+            port=found[settings.EDGE_PORT],
+            max_body_bytes=found[settings.EDGE_MAX_BODY],
+            max_header_bytes=found[settings.EDGE_MAX_HEADERS],
+            max_frame_bytes=found[settings.EDGE_MAX_FRAME],
+            reconnect_grace_s=found[settings.EDGE_RECONNECT_GRACE_S],
             admission=AdmissionConfig(
-                max_waiting_tokens=int(env.get("BRIGADE_EDGE_MAX_WAITING_TOKENS", "65536")),
-                kv_watermark=float(env.get("BRIGADE_EDGE_KV_WATERMARK", "0.95")),
+                max_waiting_tokens=found[settings.EDGE_MAX_WAITING_TOKENS],
+                kv_watermark=found[settings.EDGE_KV_WATERMARK],
             ),
         )
 

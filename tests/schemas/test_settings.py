@@ -137,7 +137,7 @@ def test_the_defaults_agree_with_the_configs_they_fill():
     from engine import EngineConfig
     from engine.kv_cache import DEFAULT_KV_CACHE_BYTES
     from stages.edge.admission import AdmissionConfig
-    from stages.edge.app import EdgeConfig
+    from stages.edge.core import EdgeConfig
     from stages.runtime.bus import BusConfig
     from stages.runtime.worker import StageSpec
 

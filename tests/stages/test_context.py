@@ -20,7 +20,7 @@ async def test_summarize_without_engine_falls_back_and_records_why(
 ) -> None:
     """No engine serves the nested run: it is cancelled after the timeout and drop_oldest applies."""
     monkeypatch.setenv(settings.SUMMARY_TIMEOUT_S.name, "0.5")
-    monkeypatch.setenv(context.MAX_MODEL_LEN_ENV, "400")
+    monkeypatch.setenv(settings.MAX_MODEL_LEN.name, "400")
     bus = await Bus.connect(bus_config)
     stop, ready = anyio.Event(), anyio.Event()
     async with anyio.create_task_group() as tg:
