@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,9 +38,29 @@ _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i32, _i32, _
 _ARGTYPES += [_f32, _ptr, _i64, _i32]
 
 
+@dataclass(frozen=True, kw_only=True)
+class KernelOptions:
+    """How `load()` gets the kernel. The engine stage fills these from schemas.settings
+    (BRIGADE_CPU_KERNEL, CC, XDG_CACHE_HOME); kernels never read the environment."""
+
+    enabled: bool = True  # False: always the torch path
+    compiler: str | None = None  # None: cc, else gcc
+    cache_root: Path | None = None  # None: ~/.cache
+
+
+_options = KernelOptions()
+
+
+def configure(options: KernelOptions) -> None:
+    """Use `options` from now on, forgetting the kernel loaded under the previous ones."""
+    global _options
+    if options != _options:
+        _options = options
+        load.cache_clear()
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "brigade" / "kernels"
+    return (_options.cache_root or Path.home() / ".cache") / "brigade" / "kernels"
 
 
 def _cpu_signature() -> str:
@@ -94,13 +115,13 @@ def build(compiler: str, flags: tuple[str, ...], errors: list[str]) -> ctypes.CD
 
 
 def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return _options.compiler or shutil.which("cc") or shutil.which("gcc")
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first use; None when it cannot be had here (never raises)."""
-    if os.environ.get("BRIGADE_CPU_KERNEL", "1") == "0":
+    if not _options.enabled:
         return None
     cc = compiler()
     if cc is None:

@@ -4,10 +4,10 @@ SamplingParams, and the EngineConfig from BRIGADE_* variables."""
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from schemas import settings
 from schemas.events import Sampling
 from stages.runtime.worker import StageError
 
@@ -78,36 +78,41 @@ def sampling_params(sampling: Sampling, request_id: str) -> Any:
         raise StageError("invalid_request", text, field=name) from err
 
 
-def _flag(text: str) -> bool:
-    value = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-    if text.lower() not in value:
-        raise ValueError(f"{text!r} is not a flag; allowed: 1/0, true/false, yes/no")
-    return value[text.lower()]
-
-
 def engine_config_from_env() -> Any:
     """EngineConfig from BRIGADE_* variables (model, dtype, device, KV budget, batch limits,
     batch-invariant mode, prefix caching, speculative decoding)."""
     from engine import EngineConfig
 
-    env = os.environ
+    found = settings.load()
+    configure_kernels(found)
     kwargs: dict[str, Any] = {}
-    for key, name, cast in (
-        ("BRIGADE_MODEL", "model", str),
-        ("BRIGADE_DTYPE", "dtype", str),
-        ("BRIGADE_DEVICE", "device", str),
-        ("BRIGADE_KV_CACHE_BYTES", "kv_cache_memory_bytes", int),
-        ("BRIGADE_NUM_KV_BLOCKS", "num_kv_blocks", int),
-        ("BRIGADE_MAX_NUM_SEQS", "max_num_seqs", int),
-        ("BRIGADE_MAX_NUM_BATCHED_TOKENS", "max_num_batched_tokens", int),
-        ("BRIGADE_MAX_MODEL_LEN", "max_model_len", int),
-        ("BRIGADE_BATCH_INVARIANT", "batch_invariant", _flag),
-        ("BRIGADE_PREFIX_CACHING", "enable_prefix_caching", _flag),
-        ("BRIGADE_NUM_SPECULATIVE_TOKENS", "num_speculative_tokens", int),
+    for setting, name in (
+        (settings.MODEL, "model"),
+        (settings.DTYPE, "dtype"),
+        (settings.DEVICE, "device"),
+        (settings.KV_CACHE_BYTES, "kv_cache_memory_bytes"),
+        (settings.NUM_KV_BLOCKS, "num_kv_blocks"),
+        (settings.MAX_NUM_SEQS, "max_num_seqs"),
+        (settings.MAX_NUM_BATCHED_TOKENS, "max_num_batched_tokens"),
+        (settings.MAX_MODEL_LEN, "max_model_len"),
+        (settings.BATCH_INVARIANT, "batch_invariant"),
+        (settings.PREFIX_CACHING, "enable_prefix_caching"),
+        (settings.NUM_SPECULATIVE_TOKENS, "num_speculative_tokens"),
     ):
-        if env.get(key):
-            try:
-                kwargs[name] = cast(env[key])
-            except ValueError as err:
-                raise ValueError(f"{key}={env[key]!r}: {err}") from err
+        if found.source(setting) == "env":  # else EngineConfig's own default (the same)
+            kwargs[name] = found[setting]
     return EngineConfig(**kwargs)
+
+
+def configure_kernels(found: settings.Settings | None = None) -> None:
+    """The CPU attention kernel's switch, compiler and cache, from settings."""
+    from kernels import cpu_attention
+
+    found = found or settings.load()
+    cpu_attention.configure(
+        cpu_attention.KernelOptions(
+            enabled=found[settings.CPU_KERNEL],
+            compiler=found[settings.CC],
+            cache_root=found[settings.XDG_CACHE_HOME],
+        )
+    )

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import cpu_attention
+from kernels.cpu_attention import KernelOptions
 
 pytestmark = pytest.mark.skipif(
     not cpu_attention.available(), reason="no C compiler to build the CPU kernel"
@@ -118,33 +119,28 @@ def test_rejects_what_it_cannot_compute():
         run(q17, kc17, vc17, t17, [20], [0], 0.25)
 
 
-def test_without_a_compiler_load_returns_none(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached: it must build
-    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    cpu_attention.load.cache_clear()
+def test_without_a_compiler_load_returns_none(tmp_path, caplog):
+    # nothing cached: it must build, with a "compiler" that always fails
+    cpu_attention.configure(KernelOptions(compiler="false", cache_root=tmp_path))
     try:
         assert cpu_attention.load() is None
         assert "could not build the CPU paged-attention kernel" in caplog.text
-        monkeypatch.setenv("BRIGADE_CPU_KERNEL", "0")
-        cpu_attention.load.cache_clear()
+        cpu_attention.configure(KernelOptions(enabled=False))  # BRIGADE_CPU_KERNEL=0
         assert not cpu_attention.available()
     finally:
-        monkeypatch.undo()
-        cpu_attention.load.cache_clear()
+        cpu_attention.configure(KernelOptions())
     assert cpu_attention.available()
 
 
-def test_an_unwritable_cache_falls_back_instead_of_failing(monkeypatch, tmp_path, caplog):
+def test_an_unwritable_cache_falls_back_instead_of_failing(tmp_path, caplog):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the cache directory cannot be made
-    cpu_attention.load.cache_clear()
+    cpu_attention.configure(KernelOptions(cache_root=blocker))  # the cache cannot be made
     try:
         assert cpu_attention.load() is None
         assert "could not build the CPU paged-attention kernel" in caplog.text
     finally:
-        monkeypatch.undo()
-        cpu_attention.load.cache_clear()
+        cpu_attention.configure(KernelOptions())
     assert cpu_attention.available()
 
 
