@@ -41,7 +41,6 @@ import dataclasses
 import inspect
 import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -53,7 +52,7 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
-from schemas import subjects
+from schemas import settings, subjects
 from schemas.events import Event, RequestFailed, encode
 from stages.runtime.bus import Bus, BusConfig, ConsumerSpec
 from stages.runtime.cancels import CancelledRequests
@@ -121,23 +120,16 @@ class StageContext:
     cancels: CancelledRequests = field(default_factory=CancelledRequests)
 
 
-ACK_WAIT_ENV = "BRIGADE_ACK_WAIT_S"  # every stage's ack_wait (redelivery after a crash)
-MAX_DELIVER_ENV = "BRIGADE_MAX_DELIVER"
-
-
 def with_env_overrides(spec: StageSpec) -> StageSpec:
     """Operators (and tests) may shorten or lengthen redelivery for every stage at once."""
+    found = settings.load()
     changes: dict[str, Any] = {}
-    for env, name, cast in (
-        (ACK_WAIT_ENV, "ack_wait_s", float),
-        (MAX_DELIVER_ENV, "max_deliver", int),
+    for setting, name in (
+        (settings.ACK_WAIT_S, "ack_wait_s"),
+        (settings.MAX_DELIVER, "max_deliver"),
     ):
-        value = os.environ.get(env)
-        if value:
-            try:
-                changes[name] = cast(value)
-            except ValueError as err:
-                raise ValueError(f"{env}={value!r}: {err}") from err
+        if found[setting] is not None:
+            changes[name] = found[setting]
     return dataclasses.replace(spec, **changes) if changes else spec
 
 
