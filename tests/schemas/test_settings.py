@@ -204,3 +204,14 @@ def test_every_reader_is_a_known_service_or_tool():
     for name in settings.READERS:
         assert settings.for_reader(name), f"{name} reads no setting"
     assert {s.name for s in settings.for_reader("edge")} >= {"BRIGADE_EDGE_PORT", "NATS_URL"}
+
+
+def test_no_module_but_settings_reads_the_environment():
+    read = re.compile(r"os\.getenv\(|environ\.get\(|environ\[[^\]]+\](?!\s*=[^=])")
+    readers = [
+        str(path.relative_to(ROOT))
+        for package in ("stages", "tools", "engine", "kernels", "schemas")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if read.search(path.read_text()) and path != ROOT / "schemas" / "settings.py"
+    ]
+    assert not readers, f"read these variables through schemas.settings: {readers}"
