@@ -32,6 +32,7 @@ from schemas import subjects
 from schemas.events import AnyEvent, Event, decode_event
 from stages.runtime import natsd
 from stages.runtime.bus import MSG_ID_HEADER, Bus, BusConfig
+from stages.runtime.service import Held
 from stages.runtime.worker import StageSpec, StageWorker
 
 log = logging.getLogger("brigade.fakebus")
@@ -425,5 +426,5 @@ async def deliver(worker: StageWorker, event: Event, *, num_delivered: int = 1) 
             f"(it reads {consumer.stream} {', '.join(filters)})"
         )
     msg = FakeMsg(stored, consumer=consumer.durable, num_delivered=num_delivered)
-    await worker.handle_message(msg)  # type: ignore[arg-type]
+    await worker.handle_message(Held(worker, msg))  # type: ignore[arg-type]
     return msg
