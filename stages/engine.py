@@ -1,9 +1,10 @@
-"""Engine stage: the synchronous engine core behind the bus.
+"""Engine stage: the synchronous engine core behind the bus, a long-running handler of the
+shared runtime (stages/runtime/service.py).
 
-Pulls `tokenized` only while KV capacity allows (admission), runs step() in a worker thread,
-publishes each step's tokens pipelined, and acks a request's input only after its `finished`
-event is stored — so a killed worker's request is redelivered, re-run with the same seed and
-checked against the tokens already stored (dedupe drops the repeats).
+Takes `tokenized` only while KV capacity allows (admission: `capacity()`), runs step() in a
+worker thread, publishes each step's tokens pipelined, and settles a request's input only after
+its `finished` event is stored — so a killed worker's request is redelivered, re-run with the
+same seed and checked against the tokens already stored (dedupe drops the repeats).
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import msgspec
-from nats.aio.msg import Msg
+import anyio.abc
 
-from schemas import subjects
 from schemas.events import (
     CancelRequested,
     PromptTokenized,
@@ -36,9 +35,9 @@ from stages.engine_params import (
     engine_config_from_env,
     sampling_params,
 )
-from stages.runtime.bus import BusConfig
 from stages.runtime.cpu_priority import CpuPriority, LowPriorityThreads
-from stages.runtime.worker import StageError, StageSpec, StageWorker
+from stages.runtime.service import Held, Service
+from stages.runtime.worker import StageContext, StageError, StageSpec
 
 STAGE = "engine"
 SWITCH_INTERVAL_S = 0.0005  # Python's default is 0.005: up to 5 ms before the loop gets the GIL
@@ -47,11 +46,10 @@ log = logging.getLogger("brigade.engine")
 
 @dataclass(eq=False, kw_only=True)
 class Run:
-    """One admitted request: its input message, its published deltas and its timings."""
+    """One admitted request: its held input, its published deltas and its timings."""
 
-    msg: Msg
+    held: Held
     event: PromptTokenized
-    fetched_ns: int  # monotonic
     window: int  # context tokens each `tokens` event carries
     params: Any = None  # engine.SamplingParams
     added_ns: int | None = None
@@ -66,6 +64,10 @@ class Run:
     @property
     def request_id(self) -> str:
         return self.event.request_id
+
+    @property
+    def fetched_ns(self) -> int:  # monotonic
+        return self.held.received_ns
 
     @property
     def num_prompt(self) -> int:
@@ -86,32 +88,31 @@ class Run:
         return c.seq if c is not None and c.reason == "stop_string" else None
 
 
-class EngineStage:
-    """The engine worker: a fetch loop (admission), a step loop, and a cancel subscription."""
+class EngineStage(Service):
+    """The engine worker: admission by KV room, a step loop in a thread, cancels that abort."""
 
     def __init__(
         self,
         engine: Any,
-        worker: StageWorker,
+        ctx: StageContext,
         admission: AdmissionConfig,
         priority: CpuPriority | None = None,
     ) -> None:
         self.engine = engine
         # step() runs below the stages' event loops and nats-server (stages/runtime/cpu_priority.py)
         self._lowered = LowPriorityThreads(priority or CpuPriority.from_env())
-        self.worker = worker
-        self.bus = worker.bus
+        self.ctx = ctx
+        self.bus = ctx.bus
         self.admission = admission
         self.runs: dict[str, Run] = {}
         self._to_add: list[Run] = []
         self._to_abort: set[str] = set()
         self._work = anyio.Event()  # new work for the step loop
-        self._room = anyio.Event()  # capacity freed for the fetch loop
-        self._cancel_decoder = decoder_for(CancelRequested)
 
     # ---- admission ----
 
-    def _room_now(self) -> int:
+    def capacity(self) -> int:
+        """How many `tokenized` inputs to take now (0: wait for KV room or a free slot)."""
         stats = self.engine.stats()
         bm = self.engine.block_manager
         reserved = sum(
@@ -127,48 +128,22 @@ class EngineStage:
             config=self.admission,
         )
 
-    async def fetch_loop(self, stop: anyio.Event) -> None:
-        while not stop.is_set():
-            room = self._room_now()
-            if room == 0:
-                self._room = anyio.Event()
-                with anyio.move_on_after(0.5):
-                    await self._room.wait()
-                continue
-            for msg in await self.worker.fetch(room):
-                try:
-                    await self._admit(msg)
-                except Exception:  # noqa: BLE001 - unacked, the message comes back after ack_wait
-                    log.exception("could not admit %s", msg.subject)
-
-    async def _admit(self, msg: Msg) -> None:
-        started = time.monotonic_ns()
-        try:
-            event: PromptTokenized = self.worker.decode(msg)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            failed = self.worker.invalid_event(msg.data, err)
-            await (self.worker.complete(msg, [failed], started) if failed else msg.ack())
-            return
+    async def admit(self, held: Held, event: PromptTokenized) -> None:
+        """Take one request (a StageError fails it: the runtime publishes `failed`, acks)."""
         rid = event.request_id
         if rid in self.runs:  # a redelivery of a request this worker is still running
-            await msg.in_progress()
+            await held.in_progress()
+            held.forget()  # the run's own delivery stays the one settled at its end
             return
-        run = Run(
-            msg=msg, event=event, fetched_ns=started, window=context_window(event.sampling.stop)
-        )
-        if rid in self.worker.ctx.cancels:  # cancelled before it reached the engine
+        run = Run(held=held, event=event, window=context_window(event.sampling.stop))
+        if rid in self.ctx.cancels:  # cancelled before it reached the engine
             run.cancel = CancelRequested(request_id=rid, tenant=event.tenant)
             await self._finish(
                 run, "abort", num_prompt_tokens=len(event.prompt_token_ids), seed=None
             )
             return
-        try:
-            run_params = sampling_params(event.sampling, rid)
-        except StageError as err:
-            await self.worker.fail(msg, event, err, started)
-            return
-        run.params = run_params
-        if msg.metadata.num_delivered > 1 and not await self._recover(run):
+        run.params = sampling_params(event.sampling, rid)
+        if held.num_delivered > 1 and not await self._recover(run):
             return
         self.runs[rid] = run
         self._to_add.append(run)
@@ -180,7 +155,7 @@ class EngineStage:
         is left to run (its `finished` was stored, or a cancel came meanwhile)."""
         stored = await self.bus.replay(run.request_id)
         if any(isinstance(e, RunFinished) for e in stored):
-            await run.msg.ack()  # finished was stored; only the ack was lost
+            await run.held.ack()  # finished was stored; only the ack was lost
             return False
         cancels = [e for e in stored if isinstance(e, CancelRequested)]
         by_seq = {e.seq: e.token_ids for e in stored if isinstance(e, TokensGenerated)}
@@ -230,30 +205,41 @@ class EngineStage:
 
     # ---- cancellation ----
 
-    async def watch_cancels(self) -> None:
-        sub = await self.bus.nc.subscribe(subjects.all_events("cancel"))
-        try:
-            async for msg in sub.messages:
-                try:
-                    cancel = self._cancel_decoder.decode(msg.data)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                run = self.runs.get(cancel.request_id)
-                if run is None or run.cancel is not None:
-                    continue  # unknown, finished, or already cancelled: late cancels are harmless
-                run.cancel = cancel
-                self._to_abort.add(cancel.request_id)
-                self._work.set()
-        finally:
-            await sub.unsubscribe()
+    def on_cancel(self, cancel: CancelRequested) -> None:
+        """From the runtime's one cancel subscription: abort the run between steps."""
+        run = self.runs.get(cancel.request_id)
+        if run is None or run.cancel is not None:
+            return  # unknown, finished, or already cancelled: late cancels are harmless
+        run.cancel = cancel
+        self._to_abort.add(cancel.request_id)
+        self._work.set()
 
     # ---- stepping ----
+
+    async def run(
+        self,
+        stopping: anyio.Event,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Step until `stopping` is set and nothing runs. Cancelled past the drain, it aborts
+        what is left in the core (the runtime hands those inputs back: another engine worker
+        re-runs them, dedupe drops what was already stored)."""
+        try:
+            async with anyio.create_task_group() as tg:
+                task_status.started()
+                await self.step_loop(stopping, tg)
+        finally:
+            for rid in list(self.runs):
+                self.engine.abort_request(rid)  # no step is running: cancellation waits for it
+            self.runs.clear()
+            self._to_add.clear()
 
     async def step_loop(self, stop: anyio.Event, tg: anyio.abc.TaskGroup) -> None:
         while True:
             for run, err in self._add_pending():
                 del self.runs[run.request_id]
-                tg.start_soon(self.worker.fail, run.msg, run.event, err, run.fetched_ns)
+                tg.start_soon(run.held.fail, run.event, err)
             for rid in self._to_abort:
                 self.engine.abort_request(rid)  # frees its KV blocks now; reported by step()
             self._to_abort.clear()
@@ -277,7 +263,7 @@ class EngineStage:
                 run = self.runs.get(out.request_id)
                 if run is not None:
                     await self._on_output(run, out, took, stats, tg)
-            self._room.set()
+            self.ctx.room_changed()
 
     def _step(self) -> list[Any]:
         """In the worker thread: lowered once (with the torch threads it starts), then one step."""
@@ -288,13 +274,7 @@ class EngineStage:
         for rid, run in list(self.runs.items()):
             self.engine.abort_request(rid)
             del self.runs[rid]
-            tg.start_soon(
-                self.worker.fail,
-                run.msg,
-                run.event,
-                StageError("internal", message),
-                run.fetched_ns,
-            )
+            tg.start_soon(run.held.fail, run.event, StageError("internal", message))
 
     async def _on_output(
         self, run: Run, out: Any, took_ns: int, stats: Any, tg: anyio.abc.TaskGroup
@@ -381,11 +361,10 @@ class EngineStage:
                     await self.bus.publish(event)
             finished = self._finished_event(run, reason, num_prompt_tokens, seed)
             await self.bus.publish(finished)
-            await run.msg.ack()
+            await run.held.ack()
         except Exception:  # noqa: BLE001 - unacked, the input comes back and is re-run
             log.exception("could not store the end of %s; it will be redelivered", run.request_id)
-        finally:
-            self._room.set()
+            run.held.forget()
 
     def _finished_event(
         self, run: Run, reason: str, num_prompt_tokens: int, seed: int | None
@@ -424,100 +403,48 @@ class EngineStage:
             kv_usage=round(stats.kv_usage, 4),
         )
 
-    async def keep_alive(self) -> None:
-        """In-progress acks while requests run longer than the consumer's ack_wait allows."""
-        period = max(self.worker.spec.ack_wait_s / 3, 0.05)
-        while True:
-            await anyio.sleep(period)
-            for run in list(self.runs.values()):
-                try:
-                    await run.msg.in_progress()
-                except Exception:  # noqa: BLE001 - a lost in-progress ack only risks a re-run
-                    pass
 
-    async def run(self, stop: anyio.Event) -> None:
-        """Serve until `stop`; then let running requests finish for `drain_s` and hand back the
-        rest (nak: another engine worker re-runs them, dedupe drops what was already stored)."""
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self.watch_cancels)
-            tg.start_soon(self.keep_alive)
-            tg.start_soon(self.fetch_loop, stop)
-            async with anyio.create_task_group() as steps:
-                steps.start_soon(self.step_loop, stop, steps)
-                await stop.wait()
-                with anyio.move_on_after(self.admission.drain_s):
-                    while self.runs or self._to_add:
-                        await anyio.sleep(0.05)
-                for run in list(self.runs.values()):
-                    self.engine.abort_request(run.request_id)
-                    await run.msg.nak()
-                self.runs.clear()
-            tg.cancel_scope.cancel()
+def load_engine() -> Any:
+    """The engine of the BRIGADE_* variables (in a thread: it takes seconds)."""
+    from engine import Engine
+
+    engine_config = engine_config_from_env()
+    began = time.monotonic()
+    log.info(
+        "loading model %s (%s, %s)", engine_config.model, engine_config.dtype, engine_config.device
+    )
+    lowered = LowPriorityThreads(CpuPriority.from_env())
+    lowered.ensure()  # torch threads started while loading keep the priority
+    engine = Engine(engine_config)
+    log.info("model loaded in %.1f s", time.monotonic() - began)
+    return engine
 
 
-def _unused_handle(event: Any, state: Any) -> list:
-    raise RuntimeError("the engine stage runs its own loop (EngineStage.run), not handle()")
+def spec(*, engine: Any = None, admission: AdmissionConfig | None = None) -> StageSpec:
+    """The engine stage; with `engine` (tests, benches) it serves that one instead of loading."""
+
+    async def setup(ctx: StageContext) -> Any:
+        # step() runs in a thread and holds the GIL between torch ops; a short switch interval
+        # lets the event loop (this stage's publishes, every stage sharing the process) in.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        return engine if engine is not None else await anyio.to_thread.run_sync(load_engine)
+
+    def service(ctx: StageContext, loaded: Any) -> EngineStage:
+        config = admission or AdmissionConfig(max_active=loaded.config.max_num_seqs)
+        return EngineStage(loaded, ctx, config)
+
+    return StageSpec(
+        name=STAGE,
+        input_event="tokenized",
+        decoder=decoder_for(PromptTokenized),
+        service=service,
+        setup=setup,
+        skip_cancelled=False,  # a cancelled request still gets its `finished` (abort) here
+        retry_errors=True,  # an admission that failed on the bus (a replay) is tried again
+        ack_wait_s=30.0,
+        max_hold_s=24 * 3600.0,  # an input is held until its `finished` is stored
+        drain_s=5.0,  # on stop: running requests finish or are handed back to another worker
+    )
 
 
-SPEC = StageSpec(
-    name=STAGE,
-    input_event="tokenized",
-    decoder=decoder_for(PromptTokenized),
-    handle=_unused_handle,
-    ack_wait_s=30.0,
-    max_hold_s=24 * 3600.0,
-)
-
-
-async def serve(
-    *,
-    config: BusConfig | None = None,
-    stop: anyio.Event | None = None,
-    ready: anyio.Event | None = None,
-    handle_signals: bool = True,
-    engine: Any = None,
-    admission: AdmissionConfig | None = None,
-) -> None:
-    """`brigade stage engine`: load the model (in a thread), then serve until `stop`."""
-    from stages.runtime.bus import Bus
-    from stages.runtime.worker import stop_on_signal
-
-    stop = stop or anyio.Event()
-    # step() runs in a thread and holds the GIL between torch ops; a short switch interval lets
-    # the event loop (this stage's publishes, and every stage sharing the process) in promptly.
-    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-    priority = CpuPriority.from_env()
-    if engine is None:
-        from engine import Engine
-
-        engine_config = engine_config_from_env()
-        began = time.monotonic()
-        log.info(
-            "loading model %s (%s, %s)",
-            engine_config.model,
-            engine_config.dtype,
-            engine_config.device,
-        )
-        lowered = LowPriorityThreads(priority)
-
-        def load() -> Any:  # lowered too: torch threads started while loading keep the priority
-            lowered.ensure()
-            return Engine(engine_config)
-
-        engine = await anyio.to_thread.run_sync(load)
-        log.info("model loaded in %.1f s", time.monotonic() - began)
-    admission = admission or AdmissionConfig(max_active=engine.config.max_num_seqs)
-    bus = await Bus.connect(config, name=f"brigade-{STAGE}")
-    worker = StageWorker(SPEC, bus, fetch_timeout_s=0.5)
-    try:
-        await worker.start()
-        if ready is not None:
-            ready.set()
-        async with anyio.create_task_group() as tg:
-            if handle_signals:
-                tg.start_soon(stop_on_signal, stop)
-            await EngineStage(engine, worker, admission, priority).run(stop)
-            tg.cancel_scope.cancel()
-        await worker.close()
-    finally:
-        await bus.close()
+SPEC = spec()

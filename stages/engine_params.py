@@ -19,10 +19,7 @@ class AdmissionConfig:
 
     max_active: int = 64  # requests held by this worker (running + waiting in the engine)
     kv_watermark: float = 0.95  # no new work while this fraction of KV blocks is in use
-    max_fetch: int = 16  # messages per pull
-    drain_s: float = (
-        5.0  # on stop: how long running requests may finish before they are handed back
-    )
+    max_fetch: int = 16  # most messages taken at once (the stage's drain_s is in its spec)
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.max_fetch < 1:

@@ -1,7 +1,8 @@
 """`brigade stage NAME`: one service of the pipeline, exactly as compose runs it.
 
-A stage module `stages/<name>.py` offers either `SPEC` (a runtime.StageSpec, served by the shared
-runtime) or `async def serve(*, config, stop, ready)` (its own loop on the same runtime parts).
+Each stage module offers `SPEC` (a runtime.StageSpec: a handler or a long-running service,
+served by the shared runtime), or `async def serve(*, config, stop, ready)` where it needs
+arguments of its own before it calls runtime.serve (the edge).
 """
 
 from __future__ import annotations

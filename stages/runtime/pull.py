@@ -1,5 +1,6 @@
 """A continuous pull on a shared durable consumer: each message goes to `deliver` the moment it
-arrives, with at most `capacity` messages requested and not yet finished at any time.
+arrives, with at most `capacity()` messages requested and not yet finished at any time (a fixed
+number, or what a long-running handler can admit now: the engine's KV room).
 
 nats-py's `fetch(n)` waits for its batch to fill or for the server's "no more" status, and each
 call is one more request round trip before the next message can come; here a pull request stays
@@ -37,6 +38,8 @@ class ContinuousPull:
 
     `deliver(msg)` is called from the subscription's callback and must not block (start a
     task); the caller reports each finished message with `done()`, which frees its credit.
+    `capacity` is an int or a function read at every top-up; `wake()` tops up now (the
+    capacity grew without a `done()`).
     """
 
     def __init__(
@@ -46,16 +49,16 @@ class ContinuousPull:
         durable: str,
         deliver: Callable[[Msg], None],
         *,
-        capacity: int,
+        capacity: int | Callable[[], int],
         expires_s: float = 1.0,
     ) -> None:
-        if capacity < 1 or expires_s <= 0:
+        if (isinstance(capacity, int) and capacity < 1) or expires_s <= 0:
             raise ValueError(f"capacity={capacity} must be >= 1, expires_s={expires_s} > 0")
         self.nc = nc
         self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self.inbox = nc.new_inbox()
         self.deliver = deliver
-        self.capacity = capacity
+        self._capacity = capacity
         self.expires_s = expires_s
         self.num_active = 0  # delivered and not done yet
         self._requests: deque[_Request] = deque()
@@ -77,9 +80,16 @@ class ContinuousPull:
             self._sub = None
         self._requests.clear()
 
+    @property
+    def capacity(self) -> int:
+        return self._capacity if isinstance(self._capacity, int) else self._capacity()
+
     def done(self) -> None:
         """One delivered message is finished (acked, nacked or left): its credit is free."""
         self.num_active -= 1
+        self._changed.set()
+
+    def wake(self) -> None:
         self._changed.set()
 
     async def run(self, stop: asyncio.Event | object, check_s: float = 1.0) -> None:
@@ -114,8 +124,9 @@ class ContinuousPull:
         while self._requests and self._requests[0].forget_at < now:
             self._requests.popleft()
         requested = self.num_requested
-        want = self.capacity - self.num_active - requested
-        if want <= 0 or (requested and want < max(1, self.capacity // 2)):
+        capacity = self.capacity
+        want = capacity - self.num_active - requested
+        if want <= 0 or (requested and want < max(1, capacity // 2)):
             return
         request = {"batch": want, "expires": int(self.expires_s * 1e9)}
         self._requests.append(_Request(want, now + self.expires_s + GRACE_S))

@@ -21,18 +21,22 @@ The runtime stamps `service_ns` (monotonic, decode to end of handle) on every ou
 none, the bus stamps `ts_ns` (wall clock) at publish, and every output goes out with
 `Nats-Msg-Id` = msg_id(request_id, type[, seq]), so a redelivered input re-publishes nothing new.
 The input is acked only after every output is acknowledged by the stream. A crash before the ack
-means redelivery after `ack_wait` (or the `backoff` steps), at most `max_deliver` times; a
-handler that runs long keeps its message alive with periodic in-progress acks.
+means redelivery after `ack_wait` (or the `backoff` steps), at most `max_deliver` times; while a
+handler holds its input the runtime keeps it alive with in-progress acks (up to `max_hold_s`).
 
 Requests whose `cancel` event was seen are skipped (acked, nothing published) unless the spec
 sets `skip_cancelled=False` (the ledger). Late events for unknown or finished requests reach
 `handle` like any other; handlers must tolerate them.
 
-`run` takes each message the moment it arrives (stages/runtime/pull.py: an open pull request topped up
-to `max_in_flight`). A stage that publishes many events per input over time (the engine) uses
-the parts directly: `StageWorker.fetch` (a batch of at most what it can admit now), `.decode`,
-`.complete` / `.fail`, `ctx.bus.publish_async` for pipelined deltas, and
-`ctx.cancels.on_cancel(callback)` to abort work.
+A stage whose work outlives one call (the engine: one input, then token events for as long as
+the request runs) sets `service=` instead of `handle=`: a long-running handler
+(stages/runtime/service.py) that takes inputs while its `capacity()` allows and settles each
+one itself. A spec with no input (the edge's HTTP server; the archiver, whose consumer starts
+at its checkpoint) is a service with nothing to pull. For every kind the runtime owns connect,
+streams, the one cancel subscription, the max-deliveries advisory, in-progress acks, the
+continuous pull (stages/runtime/pull.py, paced by capacity), decode and invalid-input failures,
+ready, signals, and stop: no new input, `drain_s` for what is held to finish, the rest handed
+back (nak) for another worker, close.
 """
 
 from __future__ import annotations
@@ -43,11 +47,13 @@ import json
 import logging
 import signal
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
@@ -58,21 +64,25 @@ from stages.runtime.bus import Bus, BusConfig, ConsumerSpec
 from stages.runtime.cancels import CancelledRequests
 from stages.runtime.failures import StageError, error_field, new_request_id, read_envelope
 from stages.runtime.pull import ContinuousPull
+from stages.runtime.service import Held, Service
 
 log = logging.getLogger("brigade.runtime")
 
 Handler = Callable[[Any, Any], "list[Event] | Awaitable[list[Event]]"]
+ServiceFactory = Callable[["StageContext", Any], Service]  # (ctx, setup's state) -> the service
 ReplyFn = Callable[[list[Event]], bytes]
 
 
 @dataclass(frozen=True, kw_only=True)
 class StageSpec:
-    """What a stage is: its name, its input, its decoder, its handler and delivery settings."""
+    """What a stage is: its name, its input, its decoder, its handler (`handle`, one call per
+    input, or `service`, a long-running handler) and delivery settings."""
 
     name: str
-    input_event: str | tuple[str, ...] | None  # event tag(s); None with `subject` (the gateway)
-    decoder: msgspec.json.Decoder
-    handle: Handler
+    input_event: str | tuple[str, ...] | None = None  # tag(s); None with `subject` (the gateway)
+    decoder: msgspec.json.Decoder | None = None  # required with an input
+    handle: Handler | None = None
+    service: ServiceFactory | None = None
     setup: Callable[[StageContext], Awaitable[Any]] | None = None
     teardown: Callable[[Any], Awaitable[None]] | None = None
     subject: str | None = None
@@ -82,6 +92,7 @@ class StageSpec:
     backoff_s: tuple[float, ...] = ()
     max_in_flight: int = 32
     max_hold_s: float = 600.0  # in-progress acks stop after this: a hung handler is redelivered
+    drain_s: float = 30.0  # on stop: how long held inputs may finish before they are handed back
     skip_cancelled: bool = True
     # True: a handler exception (not a StageError) naks the input for redelivery instead of
     # failing the request — for stages whose errors are transient (the ledger's file lock).
@@ -91,6 +102,29 @@ class StageSpec:
     on_invalid: Callable[[bytes, Exception], RequestFailed | None] | None = None
     # When the input carries a reply header, send reply(outputs) there after publishing.
     reply: ReplyFn | None = None
+
+    def __post_init__(self) -> None:
+        if (self.handle is None) == (self.service is None):
+            raise ValueError(
+                f"stage {self.name!r}: give exactly one of handle= (one call per input) or "
+                "service= (a long-running handler)"
+            )
+        if self.has_input and self.decoder is None:
+            raise ValueError(f"stage {self.name!r} has an input but no decoder=")
+        if not self.has_input and self.handle is not None:
+            raise ValueError(
+                f"stage {self.name!r} has no input (input_event and subject are None), so its "
+                "handle would never be called; a stage without input is a service="
+            )
+        if self.drain_s < 0 or self.max_in_flight < 1:
+            raise ValueError(
+                f"stage {self.name!r}: drain_s={self.drain_s} must be >= 0 and "
+                f"max_in_flight={self.max_in_flight} >= 1"
+            )
+
+    @property
+    def has_input(self) -> bool:
+        return self.input_event is not None or self.subject is not None
 
     def consumer(self) -> ConsumerSpec:
         if self.subject is not None:
@@ -111,13 +145,19 @@ class StageSpec:
         )
 
 
+def _nothing() -> None:
+    return None
+
+
 @dataclass(kw_only=True)
 class StageContext:
-    """What `setup` gets: the bus, the spec, the cancel set."""
+    """What `setup` and `service` get: the bus, the spec, the cancel set, and `room_changed`,
+    which a service calls when its capacity() may have grown (the pull asks for more at once)."""
 
     bus: Bus
     spec: StageSpec
     cancels: CancelledRequests = field(default_factory=CancelledRequests)
+    room_changed: Callable[[], None] = _nothing
 
 
 def with_env_overrides(spec: StageSpec) -> StageSpec:
@@ -134,18 +174,24 @@ def with_env_overrides(spec: StageSpec) -> StageSpec:
 
 
 class StageWorker:
-    """One worker of one stage: binds to the stage's shared durable and serves until stopped."""
+    """One worker of one stage: binds to the stage's shared durable and serves until stopped.
+
+    `fetch_timeout_s`: how often the pull re-checks capacity when nothing woke it."""
 
     def __init__(self, spec: StageSpec, bus: Bus, *, fetch_timeout_s: float = 1.0) -> None:
         spec = with_env_overrides(spec)
         self.spec = spec
-        self.ctx = StageContext(bus=bus, spec=spec)
+        self.ctx = StageContext(bus=bus, spec=spec, room_changed=self._wake)
         self.fetch_timeout_s = fetch_timeout_s
         self.state: Any = None
-        self._sub: Any = None
+        self.service: Service | None = None
         self._cancel_sub: Any = None
         self._gave_up_sub: Any = None
-        self._in_flight: dict[int, tuple[Msg, float]] = {}
+        self._pull: ContinuousPull | None = None
+        self._in_flight: dict[int, Held] = {}  # every input delivered and not settled yet
+        self._backlog: deque[Held] = deque()  # delivered to a service, not admitted yet
+        self._changed = anyio.Event()  # a delivery, a settle or room_changed: re-check capacity
+        self._settled = anyio.Event()
         self._async_handler = inspect.iscoroutinefunction(spec.handle)
         self.log = logging.getLogger(f"brigade.{spec.name}")
 
@@ -154,30 +200,25 @@ class StageWorker:
         return self.ctx.bus
 
     async def start(self) -> None:
+        """Streams, the cancel subscription, the advisory, the durable, setup, the service."""
         await self.bus.ensure_streams()
-        self._cancel_sub = await self.ctx.cancels.subscribe(self.bus)
-        consumer = self.spec.consumer()
-        self._gave_up_sub = await self.bus.nc.subscribe(
-            subjects.max_deliveries_advisory(consumer.stream, consumer.durable),
-            cb=self._gave_up,
-        )
-        self._sub = await self.bus.pull(consumer)
+        if self.spec.has_input:
+            self._cancel_sub = await self.ctx.cancels.subscribe(self.bus)
+            consumer = self.spec.consumer()
+            self._gave_up_sub = await self.bus.nc.subscribe(
+                subjects.max_deliveries_advisory(consumer.stream, consumer.durable),
+                cb=self._gave_up,
+            )
+            await self.bus.ensure_consumer(consumer)
         if self.spec.setup is not None:
             self.state = await self.spec.setup(self.ctx)
-
-    async def fetch(self, max_msgs: int) -> list[Msg]:
-        """Up to `max_msgs` messages; [] when none arrived within the fetch timeout."""
-        try:
-            return await self._sub.fetch(max_msgs, timeout=self.fetch_timeout_s)
-        except TimeoutError:  # nats' TimeoutError and FetchTimeoutError subclass it
-            return []
-        except nats.errors.Error as err:  # reconnecting, a leader election: try again soon
-            self.log.warning("fetch failed, retrying: %s", err)
-            await anyio.sleep(self.fetch_timeout_s)
-            return []
+        if self.spec.service is not None:
+            self.service = self.spec.service(self.ctx, self.state)
+            self.ctx.cancels.on_cancel(self.service.on_cancel)
 
     def decode(self, msg: Msg) -> Any:
         """The typed input, or raises msgspec.DecodeError / ValidationError."""
+        assert self.spec.decoder is not None, "a stage with input has a decoder (__post_init__)"
         return self.spec.decoder.decode(msg.data)
 
     def invalid_event(self, data: bytes, err: Exception) -> RequestFailed | None:
@@ -196,35 +237,58 @@ class StageWorker:
             field=error_field(err),
         )
 
-    async def handle_message(self, msg: Msg) -> None:
-        """The default path: decode -> (skip if cancelled) -> handle -> complete."""
-        started = time.monotonic_ns()
+    async def _decoded(self, held: Held) -> tuple[bool, Any]:
+        """(True, event) for a live input; (False, None) when it was settled here: undecodable
+        (its `failed` event published, or logged and acked) or cancelled (skip_cancelled)."""
         try:
-            event = self.decode(msg)
+            event = self.decode(held.msg)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            failed = self.invalid_event(msg.data, err)
+            failed = self.invalid_event(held.msg.data, err)
             if failed is None:
-                self.log.warning("dropped undecodable message on %s: %s", msg.subject, err)
-                await msg.ack()
-                return
-            await self.complete(msg, [failed], started)
-            return
-        request_id = getattr(event, "request_id", None)
-        if self.spec.skip_cancelled and request_id in self.ctx.cancels:
-            await msg.ack()
+                self.log.warning("dropped undecodable message on %s: %s", held.msg.subject, err)
+                await held.ack()
+            else:
+                await held.complete([failed])
+            return False, None
+        if self.spec.skip_cancelled and getattr(event, "request_id", None) in self.ctx.cancels:
+            await held.ack()
+            return False, None
+        return True, event
+
+    async def handle_message(self, held: Held) -> None:
+        """The handler path: decode -> (skip if cancelled) -> handle -> complete."""
+        live, event = await self._decoded(held)
+        if not live:
             return
         try:
-            result = self.spec.handle(event, self.state)
+            result = self.spec.handle(event, self.state)  # type: ignore[misc]
             outputs = await result if self._async_handler else result  # type: ignore[misc]
         except StageError as err:
             outputs = [self._failed(event, err.code, err.message, err.field, err.retry_after_s)]
         except Exception as err:  # noqa: BLE001 - a failing handler fails its request, not us
-            self.log.exception("handler failed for %s", request_id)
+            self.log.exception("handler failed for %s", getattr(event, "request_id", None))
             if self.spec.retry_errors:
-                await msg.nak(delay=min(0.1 * 2.0**msg.metadata.num_delivered, 5.0))
+                await held.nak(delay=_retry_delay(held))
                 return
             outputs = [self._failed(event, "internal", f"{type(err).__name__}: {err}", None, None)]
-        await self.complete(msg, outputs, started)
+        await held.complete(outputs)
+
+    async def admit(self, held: Held) -> None:
+        """The service path: decode -> (skip if cancelled) -> service.admit, which now owns it."""
+        assert self.service is not None, "admit is only for a service's inputs"
+        live, event = await self._decoded(held)
+        if not live:
+            return
+        try:
+            await self.service.admit(held, event)
+        except StageError as err:
+            await held.fail(event, err)
+        except Exception as err:  # noqa: BLE001 - a failing admission fails its request
+            self.log.exception("could not admit %s", getattr(event, "request_id", None))
+            if self.spec.retry_errors:
+                await held.nak(delay=_retry_delay(held))
+                return
+            await held.fail(event, StageError("internal", f"{type(err).__name__}: {err}"))
 
     def _failed(
         self, event: Any, code: str, message: str, field: str | None, retry: float | None
@@ -278,7 +342,7 @@ class StageWorker:
         await msg.ack()
 
     async def fail(self, msg: Msg, event: Any, err: StageError, started_ns: int) -> None:
-        """Publish a `failed` event for the input's request, then ack (for custom loops)."""
+        """Publish a `failed` event for the input's request, then ack."""
         failed = self._failed(event, err.code, err.message, err.field, err.retry_after_s)
         await self.complete(msg, [failed], started_ns)
 
@@ -307,68 +371,168 @@ class StageWorker:
         except Exception:  # noqa: BLE001 - a lost advisory only leaves the request unfinished
             self.log.exception("could not fail the request of a dead-lettered message")
 
-    async def _track(self, msg: Msg) -> None:
-        key = id(msg)
-        self._in_flight[key] = (msg, time.monotonic())
-        try:
-            await self.handle_message(msg)
-        except Exception:  # noqa: BLE001 - never kill the worker; the message will be redelivered
-            self.log.exception("message on %s left unacked", msg.subject)
-        finally:
-            del self._in_flight[key]
+    # ---- holding inputs ----
+
+    def _hold(self, msg: Msg) -> Held:
+        held = Held(self, msg)
+        self._in_flight[id(held)] = held
+        return held
+
+    def release(self, held: Held) -> None:
+        """`held` is settled (or forgotten): no more in-progress acks, and its room is free."""
+        self._in_flight.pop(id(held), None)
+        self._settled.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        if self._pull is not None:
+            self._pull.wake()
 
     async def _keep_alive(self) -> None:
-        """In-progress acks for messages held longer than a third of ack_wait."""
+        """In-progress acks for inputs held longer than a third of ack_wait (up to max_hold_s)."""
         wait = self.spec.backoff_s[0] if self.spec.backoff_s else self.spec.ack_wait_s
         period = max(wait / 3, 0.05)
         while True:
             await anyio.sleep(period)
-            now = time.monotonic()
-            for msg, since in list(self._in_flight.values()):
-                if period <= now - since <= self.spec.max_hold_s:
+            now = time.monotonic_ns()
+            for held in list(self._in_flight.values()):
+                if period <= (now - held.received_ns) / 1e9 <= self.spec.max_hold_s:
                     try:
-                        await msg.in_progress()
+                        await held.in_progress()
                     except Exception:  # noqa: BLE001 - a lost in-progress ack only risks redelivery
                         pass
 
+    # ---- serving ----
+
+    def _capacity(self) -> int:
+        """How many inputs the pull may have delivered and not yet handled or admitted."""
+        if self.service is None:
+            return self.spec.max_in_flight
+        return max(0, self.service.capacity())
+
+    def _deliver(self, msg: Msg, work: anyio.abc.TaskGroup) -> None:
+        held = self._hold(msg)
+        if self.service is None:
+            work.start_soon(self._handle_one, held)
+        else:
+            self._backlog.append(held)
+            self._changed.set()
+
+    async def _handle_one(self, held: Held) -> None:
+        try:
+            await self.handle_message(held)
+        except Exception:  # noqa: BLE001 - never kill the worker; the message will be redelivered
+            self.log.exception("message on %s left unacked", held.msg.subject)
+            held.forget()
+        finally:
+            assert self._pull is not None, "inputs come from the pull"
+            self._pull.done()
+
+    async def _admit_loop(self, halt: anyio.Event) -> None:
+        """Hand the backlog to the service while its capacity() allows, in arrival order."""
+        assert self.service is not None and self._pull is not None, "a service with input"
+        while not halt.is_set():
+            if self._backlog and self.service.capacity() > 0:
+                held = self._backlog.popleft()
+                try:
+                    await self.admit(held)
+                except Exception:  # noqa: BLE001 - never kill the worker; redelivered later
+                    self.log.exception("message on %s left unacked", held.msg.subject)
+                    held.forget()
+                finally:
+                    self._pull.done()
+                continue
+            self._changed = anyio.Event()
+            with anyio.move_on_after(self.fetch_timeout_s):
+                await self._changed.wait()
+
+    async def _run_service(
+        self,
+        stopping: anyio.Event,
+        done: anyio.Event,
+        halt: anyio.Event,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        assert self.service is not None, "a spec with service="
+        try:
+            await self.service.run(stopping, task_status=task_status)
+        finally:
+            done.set()
+            halt.set()  # a service that ends ends its worker, even before `stop`
+
     async def run(self, stop: anyio.Event, ready: anyio.Event | None = None) -> None:
-        """Serve until `stop` is set, then finish in-flight messages and return (no drain)."""
+        """Serve until `stop` is set; then take no new input, let what is held finish for
+        `drain_s`, hand back (nak) the rest, and close (the connection is the caller's)."""
         await self.start()
-        if ready is not None:
-            ready.set()
-        consumer = self.spec.consumer()
+        stopping, halt = anyio.Event(), anyio.Event()  # halt: stop, or the service ended
+        service_done = anyio.Event()
         async with anyio.create_task_group() as side:
             side.start_soon(self._keep_alive)
+            side.start_soon(_relay, stop, halt)
             async with anyio.create_task_group() as work:
-                pull = ContinuousPull(
-                    self.bus.nc,
-                    consumer.stream,
-                    consumer.durable,
-                    lambda msg: work.start_soon(self._run_one, msg, pull),
-                    capacity=self.spec.max_in_flight,
-                )
-                await pull.start()
-                try:
-                    await pull.run(stop, self.fetch_timeout_s)
-                finally:
-                    await pull.stop()  # in-flight messages finish before the group exits
+                if self.service is not None:
+                    await work.start(self._run_service, stopping, service_done, halt)
+                else:
+                    service_done.set()
+                if self.spec.has_input:
+                    await self._start_pull(work, halt)
+                if ready is not None:
+                    ready.set()
+                if self._pull is not None:
+                    try:
+                        await self._pull.run(halt, self.fetch_timeout_s)
+                    finally:
+                        await self._pull.stop()
+                else:
+                    await halt.wait()
+                while self._backlog:  # taken, never admitted: straight back to the durable
+                    await self._backlog.popleft().nak()
+                stopping.set()
+                with anyio.move_on_after(self.spec.drain_s):
+                    while self._in_flight or not service_done.is_set():
+                        self._settled = anyio.Event()
+                        with anyio.move_on_after(0.05):  # the service may end without a settle
+                            await self._settled.wait()
+                work.cancel_scope.cancel()
             side.cancel_scope.cancel()
+        for held in list(self._in_flight.values()):  # past the drain: another worker takes it
+            try:
+                await held.nak()
+            except Exception:  # noqa: BLE001 - unacked, it is redelivered after ack_wait anyway
+                self.log.warning("could not hand back %s", held.msg.subject)
         await self.close()
 
+    async def _start_pull(self, work: anyio.abc.TaskGroup, halt: anyio.Event) -> None:
+        consumer = self.spec.consumer()
+        self._pull = ContinuousPull(
+            self.bus.nc,
+            consumer.stream,
+            consumer.durable,
+            lambda msg: self._deliver(msg, work),
+            capacity=self._capacity,
+        )
+        await self._pull.start()
+        if self.service is not None:
+            work.start_soon(self._admit_loop, halt)
+
     async def close(self) -> None:
-        """Unsubscribe, not drain: nats.py's fetch takes from the pending queue without task_done,
-        so a drain would wait forever. Anything still queued is redelivered after ack_wait."""
-        await self._sub.unsubscribe()
-        await self._cancel_sub.unsubscribe()
-        await self._gave_up_sub.unsubscribe()
+        """Unsubscribe (the pull was stopped by run) and tear down; the caller closes the bus."""
+        for sub in (self._cancel_sub, self._gave_up_sub):
+            if sub is not None:
+                await sub.unsubscribe()
         if self.spec.teardown is not None:
             await self.spec.teardown(self.state)
 
-    async def _run_one(self, msg: Msg, pull: ContinuousPull) -> None:
-        try:
-            await self._track(msg)
-        finally:
-            pull.done()
+
+def _retry_delay(held: Held) -> float:
+    return min(0.1 * 2.0**held.num_delivered, 5.0)
+
+
+async def _relay(stop: anyio.Event, halt: anyio.Event) -> None:
+    await stop.wait()
+    halt.set()
 
 
 async def serve(

@@ -20,6 +20,7 @@ from schemas.events import (
 from stages import engine as engine_stage
 from stages.detokenize import context_window
 from stages.engine_params import AdmissionConfig, derived_seed
+from stages.runtime import worker as runtime
 from stages.runtime.bus import Bus
 
 EVENTS = subjects.EVENTS_STREAM
@@ -59,8 +60,12 @@ async def running_stage(bus_config, engine):
     stop, ready = anyio.Event(), anyio.Event()
     async with anyio.create_task_group() as tg:
         tg.start_soon(
-            lambda: engine_stage.serve(
-                config=bus_config, stop=stop, ready=ready, handle_signals=False, engine=engine
+            lambda: runtime.serve(
+                engine_stage.spec(engine=engine),
+                config=bus_config,
+                stop=stop,
+                ready=ready,
+                handle_signals=False,
             )
         )
         await ready.wait()
@@ -163,27 +168,29 @@ async def test_a_dead_workers_request_is_resumed_after_its_stored_tokens(
 ):
     """Worker 1 dies (connection gone, nothing acked) after 3 tokens; worker 2 gets the
     redelivery and continues at seq 3: every seq stored once, one `finished`, 6 tokens."""
-    from stages.engine import EngineStage
-    from stages.runtime.worker import StageWorker
-
     monkeypatch.setenv("BRIGADE_ACK_WAIT_S", "2")
     client = await Bus.connect(bus_config)
     await client.ensure_streams()
     sub = await client.nc.subscribe("llm.ev.crash.>")
     dead = await Bus.connect(bus_config)
-    worker = StageWorker(engine_stage.SPEC, dead, fetch_timeout_s=0.5)
-    await worker.start()
+    worker = runtime.StageWorker(
+        engine_stage.spec(engine=engine, admission=AdmissionConfig()), dead
+    )
+    ready = anyio.Event()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(EngineStage(engine, worker, AdmissionConfig()).run, anyio.Event())
+        tg.start_soon(worker.run, anyio.Event(), ready)
+        await ready.wait()
         await client.publish(tokenized("crash", prompt, max_tokens=6, ignore_eos=True, seed=9))
         with anyio.fail_after(120):
             while True:
                 event = decode_event((await sub.next_msg(timeout=120)).data)
                 if isinstance(event, TokensGenerated) and event.seq == 2:
                     break
-        tg.cancel_scope.cancel()  # the worker dies mid-request ...
+        tg.cancel_scope.cancel()  # the worker dies mid-request: nothing settled, nothing naked
     await dead.nc.close()  # ... and its connection with it
-    engine.abort_request("crash")  # a new process would not know the request either
+    assert not engine.abort_request(
+        "crash"
+    )  # its stage aborted it: a new process would not know it
     while engine.has_unfinished_requests():
         engine.step()
     async with running_stage(bus_config, engine):
@@ -206,18 +213,15 @@ async def test_a_rerun_that_samples_otherwise_continues_after_the_stored_tokens(
 ):
     """The dead worker stored 3 steps this engine would not sample (other numerics): the re-run
     keeps them, continues after them at seq 3, and stores each seq once."""
-    from stages.runtime.worker import StageWorker
-
     monkeypatch.setenv("BRIGADE_ACK_WAIT_S", "2")
     stored = engine.tokenizer.encode(" Blue, green and red")[:3]
     assert len(stored) == 3
     client = await Bus.connect(bus_config)
     await client.ensure_streams()
     dead = await Bus.connect(bus_config)
-    worker = StageWorker(engine_stage.SPEC, dead, fetch_timeout_s=5)
-    await worker.start()
+    taker = await dead.pull(runtime.with_env_overrides(engine_stage.SPEC).consumer())
     await client.publish(tokenized("other", prompt, max_tokens=6, ignore_eos=True, seed=4))
-    (msg,) = await worker.fetch(1)  # taken, never acked: the worker dies after 3 steps
+    (msg,) = await taker.fetch(1, timeout=5)  # taken, never acked: the worker dies after 3 steps
     for seq, token in enumerate(stored):
         await dead.publish(
             TokensGenerated(

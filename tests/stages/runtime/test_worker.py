@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
 
 import anyio
+import anyio.abc
 import pytest
 
 from schemas import subjects
@@ -20,7 +23,9 @@ from schemas.events import (
     decoder_for,
 )
 from stages.runtime.bus import Bus, BusConfig
+from stages.runtime.service import Held, Service
 from stages.runtime.worker import StageError, StageSpec, StageWorker, serve
+from tools.stage_procs import connected
 
 pytestmark = pytest.mark.anyio
 
@@ -140,10 +145,10 @@ async def test_crash_before_ack_redelivers_and_dedupes_output(bus_config: BusCon
     state_a: dict = {}
     a_bus = await Bus.connect(bus_config)
     a = DiesBeforeAck(make_spec(state_a), a_bus)
+    a_ready = anyio.Event()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(a.run, anyio.Event())
-        while a._sub is None:
-            await anyio.sleep(0.01)
+        tg.start_soon(a.run, anyio.Event(), a_ready)
+        await a_ready.wait()
         await bus.publish(accepted("crash1", "hi"))
         with anyio.fail_after(5):
             await published.wait()
@@ -325,3 +330,236 @@ async def test_worker_survives_a_server_restart(tmp_path) -> None:
         await bus.close()
     finally:
         natsd.stop(server)
+
+
+# ---- long-running handlers (services) ----
+
+
+class Holder(Service):
+    """Holds each input until its request is cancelled (then completes it with `authorized`),
+    or until the stop for those in `finish_on_stop`; the rest it never settles."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held: dict[str, tuple[Held, RequestAccepted]] = {}
+        self.admitted: list[tuple[str, int]] = []  # (request id, delivery)
+        self.cancels: list[CancelRequested] = []
+        self.finish_on_stop: set[str] = set()
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    def capacity(self) -> int:
+        return self.limit - len(self.held)
+
+    async def admit(self, held: Held, event: RequestAccepted) -> None:
+        assert len(self.held) < self.limit, "handed an input beyond capacity()"
+        self.held[event.request_id] = (held, event)
+        self.admitted.append((event.request_id, held.num_delivered))
+
+    def on_cancel(self, cancel: CancelRequested) -> None:
+        self.cancels.append(cancel)
+        if cancel.request_id in self.held and self._tg is not None:
+            self._tg.start_soon(self.finish, cancel.request_id)
+
+    async def finish(self, request_id: str) -> None:
+        held, event = self.held.pop(request_id)
+        await held.complete(
+            [RequestAuthorized(request_id=request_id, tenant="t1", request=event.request)]
+        )
+
+    async def run(self, stopping, *, task_status) -> None:  # noqa: ANN001
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            await stopping.wait()
+            for request_id in self.finish_on_stop & set(self.held):
+                tg.start_soon(self.finish, request_id)
+
+
+def holder_spec(holder: Holder, **kw) -> StageSpec:
+    return StageSpec(
+        name="echo",
+        input_event="accepted",
+        decoder=decoder_for(RequestAccepted),
+        service=lambda ctx, state: holder,
+        skip_cancelled=False,
+        **kw,
+    )
+
+
+def subscriptions(monitor_url: str, name: str) -> list[str]:
+    """The subjects the client named brigade-<name> subscribes to, from the server's monitor
+    (less its request-reply inboxes)."""
+    with urllib.request.urlopen(f"{monitor_url}/connz?subs=1&limit=1024", timeout=2) as r:
+        conns = json.load(r)["connections"]
+    (conn,) = [c for c in conns if c.get("name") == f"brigade-{name}"]
+    return [s for s in conn.get("subscriptions_list", []) if not s.startswith("_INBOX.")]
+
+
+async def until(check, timeout_s: float = 5.0) -> None:  # noqa: ANN001
+    with anyio.fail_after(timeout_s):
+        while not check():
+            await anyio.sleep(0.02)
+
+
+async def test_a_service_is_paced_by_capacity_and_hears_the_one_cancel_subscription(
+    bus_config: BusConfig, nats_server
+) -> None:
+    bus = await Bus.connect(bus_config)
+    holder = Holder(limit=2)
+    stop, ready = anyio.Event(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: serve(
+                holder_spec(holder, ack_wait_s=30.0),
+                config=bus_config,
+                stop=stop,
+                ready=ready,
+                handle_signals=False,
+            )
+        )
+        await ready.wait()
+        subs = subscriptions(nats_server.monitor_url, "echo")
+        assert subs.count(subjects.all_events("cancel")) == 1
+        for i in range(6):
+            await bus.publish(accepted(f"p{i}", "hi"))
+        await until(lambda: len(holder.admitted) == 2)
+        await anyio.sleep(0.3)  # room for a third, if the pull took more than capacity()
+        assert await pending(bus) == (2, 4)  # only what it could admit was taken from the durable
+        await bus.publish(CancelRequested(request_id="p0", reason="stop_string", seq=3))
+        for i in range(1, 6):
+            await until(lambda n=i: len(holder.admitted) == min(n + 2, 6))
+            await bus.publish(CancelRequested(request_id=f"p{i}"))
+        assert await wait_for(bus, "llm.ev.*.authorized", 6) == 6
+        await until(lambda: not holder.held)
+        stop.set()
+    assert holder.admitted == [(f"p{i}", 1) for i in range(6)]  # in order, each once
+    assert (holder.cancels[0].reason, holder.cancels[0].seq) == ("stop_string", 3)
+    assert await pending(bus) == (0, 0)
+    await bus.close()
+
+
+async def test_a_held_input_is_kept_alive_past_ack_wait(bus_config: BusConfig) -> None:
+    bus = await Bus.connect(bus_config)
+    holder = Holder(limit=2)
+    stop, ready = anyio.Event(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: serve(
+                holder_spec(holder, ack_wait_s=1.0, max_deliver=3),
+                config=bus_config,
+                stop=stop,
+                ready=ready,
+                handle_signals=False,
+            )
+        )
+        await ready.wait()
+        await bus.publish(accepted("k1", "hi"))
+        await until(lambda: len(holder.admitted) == 1)
+        await anyio.sleep(2.5)  # 2.5 x ack_wait: in-progress acks keep it from redelivery
+        info = await bus.js.consumer_info(subjects.EVENTS_STREAM, subjects.durable_name("echo"))
+        assert (info.num_ack_pending, info.num_redelivered) == (1, 0)
+        await bus.publish(CancelRequested(request_id="k1"))
+        assert await wait_for(bus, "llm.ev.k1.authorized", 1) == 1
+        stop.set()
+    assert holder.admitted == [("k1", 1)]
+    assert await pending(bus) == (0, 0)
+    await bus.close()
+
+
+async def test_a_stop_drains_within_the_bound_then_hands_back_the_rest(
+    bus_config: BusConfig,
+) -> None:
+    """ack_wait is 30 s: the held input comes back to the next worker at once only if naked."""
+    bus = await Bus.connect(bus_config)
+    holder = Holder(limit=2)
+    holder.finish_on_stop = {"k1"}
+    stop, ready = anyio.Event(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: serve(
+                holder_spec(holder, ack_wait_s=30.0, drain_s=0.5),
+                config=bus_config,
+                stop=stop,
+                ready=ready,
+                handle_signals=False,
+            )
+        )
+        await ready.wait()
+        await bus.publish(accepted("k1", "hi"))
+        await bus.publish(accepted("k2", "hi"))
+        await until(lambda: len(holder.admitted) == 2)
+        stop.set()
+        t0 = time.monotonic()
+    assert 0.4 < time.monotonic() - t0 < 2.0  # k2 was held to the end of the 0.5 s drain
+    assert await wait_for(bus, "llm.ev.k1.authorized", 1) == 1  # finished during the drain
+
+    again = Holder(limit=2)
+    stop, ready = anyio.Event(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: serve(
+                holder_spec(again, ack_wait_s=30.0),
+                config=bus_config,
+                stop=stop,
+                ready=ready,
+                handle_signals=False,
+            )
+        )
+        await ready.wait()
+        await until(lambda: again.admitted == [("k2", 2)])  # handed back, redelivered at once
+        await bus.publish(CancelRequested(request_id="k2"))
+        assert await wait_for(bus, "llm.ev.k2.authorized", 1) == 1
+        stop.set()
+    assert holder.admitted == [("k1", 1), ("k2", 1)]
+    assert await pending(bus) == (0, 0)
+    await bus.close()
+
+
+async def test_a_service_without_input_runs_until_stop_and_is_cut_at_the_drain(
+    bus_config: BusConfig, nats_server
+) -> None:
+    seen: list[str] = []
+
+    class Server(Service):
+        async def run(self, stopping, *, task_status) -> None:  # noqa: ANN001
+            seen.append("started")
+            task_status.started()
+            await stopping.wait()
+            try:
+                await anyio.sleep_forever()  # ignores the stop: cut after drain_s
+            finally:
+                seen.append("cut")
+
+    spec = StageSpec(name="door", service=lambda ctx, state: Server(), drain_s=0.3)
+    stop, ready = anyio.Event(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: serve(spec, config=bus_config, stop=stop, ready=ready, handle_signals=False)
+        )
+        await ready.wait()
+        assert connected(nats_server.monitor_url, "door") is True
+        assert subscriptions(nats_server.monitor_url, "door") == []  # no input: no consumer
+        stop.set()
+        t0 = time.monotonic()
+    assert 0.25 < time.monotonic() - t0 < 2.0
+    assert seen == ["started", "cut"]
+    assert connected(nats_server.monitor_url, "door") is False
+
+
+def test_a_spec_has_exactly_one_handler_and_a_decoder_for_its_input() -> None:
+    decoder = decoder_for(RequestAccepted)
+    with pytest.raises(ValueError, match="exactly one of handle= .* or service="):
+        StageSpec(name="x", input_event="accepted", decoder=decoder)
+    with pytest.raises(ValueError, match="exactly one of"):
+        StageSpec(
+            name="x",
+            input_event="accepted",
+            decoder=decoder,
+            handle=handle,
+            service=lambda ctx, state: Service(),
+        )
+    with pytest.raises(ValueError, match="has an input but no decoder="):
+        StageSpec(name="x", input_event="accepted", service=lambda ctx, state: Service())
+    with pytest.raises(ValueError, match="has no input .* a stage without input is a service="):
+        StageSpec(name="x", handle=handle)
+    assert not StageSpec(name="x", service=lambda ctx, state: Service()).has_input
