@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         return _usage(parser)
     if args.command != "config" and not _settings_ok(args.command):  # config says it itself
         return 2
+    if args.command == "bench":  # benchmarks build engines in-process: the kernel settings apply
+        from stages.engine_params import configure_kernels
+
+        configure_kernels()
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:
