@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
+from engine.errors import RequestRejected
 from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -149,28 +150,41 @@ class Engine:
         priority: int = 0,
         cache_domain: str = "",
     ) -> int:
-        """Queue a request; returns the seed it samples with. ValueError if it can never run.
+        """Queue a request; returns the seed it samples with. RequestRejected (a ValueError) if
+        it can never run.
 
         cache_domain: with prefix caching, the request reuses only K/V computed for requests of
         the same domain (give each tenant its own, as vLLM's `cache_salt`)."""
         if request_id in self._seqs:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+            raise RequestRejected(
+                "invalid_request",
+                f"request_id {request_id!r} is already in flight",
+                field="request_id",
+            )
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt_token_ids hold ids outside [0, {vocab}): {bad[:5]}")
+            raise RequestRejected(
+                "invalid_request",
+                f"prompt_token_ids hold ids outside [0, {vocab}): {bad[:5]}",
+                field="prompt_token_ids",
+            )
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
+            raise RequestRejected(
+                "context_length",
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{total} > max_model_len {self.max_model_len}; shorten the prompt or lower "
-                "max_tokens"
+                "max_tokens",
+                field="prompt_token_ids",
             )
         need = self.block_manager.num_blocks_for(total)
         if need > self.block_manager.num_blocks:
-            raise ValueError(
+            raise RequestRejected(
+                "context_length",
                 f"prompt + max_tokens = {total} tokens needs {need} KV blocks but the cache has "
-                f"{self.block_manager.num_blocks}; raise kv_cache_memory_bytes or num_kv_blocks"
+                f"{self.block_manager.num_blocks}; raise kv_cache_memory_bytes or num_kv_blocks",
+                field="prompt_token_ids",
             )
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(

@@ -1,18 +1,25 @@
 """SamplingParams: how one request turns logits into tokens, validated when built.
 
-Every invalid value raises ValueError naming the field, the value and the allowed range.
+Every invalid value raises RequestRejected (a ValueError) with the field, the value and the
+allowed range.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.errors import RequestRejected
+
 MAX_LOGPROBS = 20
 
 
 def _check(ok: bool, field: str, value: object, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{field}={value!r} is invalid; allowed: {allowed}")
+        raise RequestRejected(
+            "invalid_request",
+            f"SamplingParams.{field}={value!r} is invalid; allowed: {allowed}",
+            field=field,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.errors import RequestRejected
 from engine.params import SamplingParams
 
 
@@ -40,11 +41,17 @@ class Sequence:
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
-            raise ValueError(f"request {self.request_id!r}: the prompt has no tokens")
+            raise RequestRejected(
+                "invalid_request",
+                f"request {self.request_id!r}: the prompt has no tokens",
+                field="prompt_token_ids",
+            )
         if self.priority not in (0, 1):
-            raise ValueError(
+            raise RequestRejected(
+                "invalid_request",
                 f"request {self.request_id!r}: priority={self.priority!r}; "
-                "allowed: 0 (interactive) or 1 (batch)"
+                "allowed: 0 (interactive) or 1 (batch)",
+                field="priority",
             )
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)

@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from engine.errors import RequestRejected
 from schemas.events import (
     CancelRequested,
     PromptTokenized,
@@ -33,6 +34,7 @@ from stages.engine_params import (
     AdmissionConfig,
     admission_room,
     engine_config_from_env,
+    rejected,
     sampling_params,
 )
 from stages.runtime.cpu_priority import CpuPriority, LowPriorityThreads
@@ -192,14 +194,8 @@ class EngineStage(Service):
                     cache_domain=run.event.tenant or "",  # no prefix is shared across tenants
                 )
                 run.added_ns = time.monotonic_ns()
-            except ValueError as err:
-                text = str(err)
-                code = (
-                    "context_length"
-                    if "max_model_len" in text or "KV blocks" in text
-                    else "invalid_request"
-                )
-                refused.append((run, StageError(code, text, field="prompt_token_ids")))
+            except RequestRejected as err:
+                refused.append((run, rejected(err)))
         self._to_add = []
         return refused
 

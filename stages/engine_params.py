@@ -7,6 +7,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import RequestRejected
 from schemas import settings
 from schemas.events import Sampling
 from stages.runtime.worker import StageError
@@ -69,10 +70,13 @@ def sampling_params(sampling: Sampling, request_id: str) -> Any:
             ignore_eos=sampling.ignore_eos,
             logprobs=sampling.logprobs,
         )
-    except ValueError as err:  # "SamplingParams.min_tokens=9 is invalid; allowed: ..."
-        text = str(err)
-        name = text.split("=", 1)[0].removeprefix("SamplingParams.") if "=" in text else None
-        raise StageError("invalid_request", text, field=name) from err
+    except RequestRejected as err:
+        raise rejected(err) from err
+
+
+def rejected(err: RequestRejected) -> StageError:
+    """The engine's refusal of a request as the stage's `failed` reason: its code and field."""
+    return StageError(err.code, err.message, field=err.field)
 
 
 def engine_config_from_env() -> Any:

@@ -154,12 +154,16 @@ async def test_requests_the_engine_cannot_serve_fail_with_the_reason(bus_config,
         sub = await bus.nc.subscribe("llm.ev.*.>")
         await bus.publish(tokenized("minmax", prompt, max_tokens=4, min_tokens=9))
         await bus.publish(tokenized("huge", prompt, max_tokens=2000))
-        got = await events_until_end(sub, {"minmax", "huge"})
+        await bus.publish(tokenized("oov", [*prompt, 10**6], max_tokens=2))
+        got = await events_until_end(sub, {"minmax", "huge", "oov"})
     (bad,) = [e for e in got["minmax"] if isinstance(e, RequestFailed)]
     assert (bad.stage, bad.code, bad.field) == ("engine", "invalid_request", "min_tokens")
     (huge,) = [e for e in got["huge"] if isinstance(e, RequestFailed)]
-    assert huge.code == "context_length"
+    assert (huge.code, huge.field) == ("context_length", "prompt_token_ids")
     assert f"{len(prompt) + 2000}" in huge.message and "KV blocks" in huge.message
+    (oov,) = [e for e in got["oov"] if isinstance(e, RequestFailed)]
+    assert (oov.code, oov.field) == ("invalid_request", "prompt_token_ids")
+    assert "[1000000]" in oov.message
 
 
 @pytest.mark.anyio
