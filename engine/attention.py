@@ -2,7 +2,8 @@
 
 `prepare_attention` turns the metadata into a per-step plan once; every layer then calls
 `paged_attend`: the Triton kernel on CUDA; on the CPU the compiled kernel
-(kernels/cpu_attention.py) for every bf16 token and the pure-torch reference for the rest.
+(kernels/cpu_attention.py) for every bf16 token, torch's SDPA over gathered blocks
+(kernels/cpu_sdpa_attention.py) for the rest. Which path runs is engine policy, so it is here.
 """
 
 from __future__ import annotations
@@ -13,13 +14,8 @@ import torch
 from torch import Tensor
 
 from kernels import cpu_attention
-from kernels.paged_attention import (
-    ReferencePlan,
-    build_reference_plan,
-    paged_attention,
-    paged_attention_reference,
-    token_layout,
-)
+from kernels.cpu_sdpa_attention import SdpaPlan, build_sdpa_plan, paged_attention_sdpa
+from kernels.paged_attention import paged_attention, token_layout
 
 
 @dataclass
@@ -50,32 +46,42 @@ class AttentionMetadata:
 
 @dataclass
 class AttentionPlan:
-    reference: ReferencePlan | None  # CPU path
-    token_seq_idx: Tensor | None  # [T] int32, CUDA path
-    token_ctx_len: Tensor | None  # [T] int32, CUDA path
-    block_tables: Tensor
-    slot_mapping: Tensor
+    """One step's attention inputs, shared by every layer: `sdpa` set for torch's SDPA, else
+    every token as one query (token_*) for the Triton kernel or the compiled CPU kernel."""
+
+    block_tables: Tensor  # [S, max_blocks] int32
+    slot_mapping: Tensor  # [T] int64
+    sdpa: SdpaPlan | None = None  # CPU without the compiled kernel (fp32, or no compiler)
+    token_seq_idx: Tensor | None = None  # [T] int32 each token's row of block_tables
+    token_ctx_len: Tensor | None = None  # [T] int32 keys it attends: its position + 1
+    token_rows: Tensor | None = None  # [T] int32 its row of q (0..T-1): the CPU kernel's
 
 
 def prepare_attention(
     attn: AttentionMetadata, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> AttentionPlan:
     """dtype: the model's; in bf16 on the CPU every token goes to the compiled kernel when it
-    builds (fp32 keeps torch's SDPA, the kernel transformers runs, for exact parity with it)."""
+    builds, prefill tokens included, each as one query over the cached keys up to its own
+    position: a token's attention is then computed the same way whether it is decoded,
+    prefilled whole, in chunks or again after a preemption, whatever shares the step; and
+    reading the blocks in place it beats gathering them for SDPA (prefill 1.1-1.3x at 128-2048
+    tokens). fp32 keeps torch's SDPA, the kernel transformers runs, for exact parity with it."""
     block_tables = attn.block_tables.to(device, non_blocking=True)
     slots = attn.slot_mapping.to(device, torch.int64, non_blocking=True)
     if device.type == "cuda":
         seq_idx, ctx_len = token_layout(attn.query_lens_cpu, attn.seq_lens_cpu, device)
-        return AttentionPlan(None, seq_idx, ctx_len, block_tables, slots)
-    kernel = dtype == torch.bfloat16 and cpu_attention.available()
-    ref = build_reference_plan(
-        block_tables,
-        attn.query_lens_cpu,
-        attn.seq_lens_cpu,
-        attn.block_size,
-        kernel=kernel,
-    )
-    return AttentionPlan(ref, None, None, block_tables, slots)
+        return AttentionPlan(block_tables, slots, token_seq_idx=seq_idx, token_ctx_len=ctx_len)
+    if dtype == torch.bfloat16 and cpu_attention.available():
+        seq_idx, ctx_len = token_layout(attn.query_lens_cpu, attn.seq_lens_cpu, device)
+        return AttentionPlan(
+            block_tables.to(torch.int32).contiguous(),
+            slots,
+            token_seq_idx=seq_idx,
+            token_ctx_len=ctx_len,
+            token_rows=torch.arange(len(seq_idx), dtype=torch.int32),
+        )
+    sdpa = build_sdpa_plan(block_tables, attn.query_lens_cpu, attn.seq_lens_cpu, attn.block_size)
+    return AttentionPlan(block_tables, slots, sdpa=sdpa)
 
 
 def paged_attend(
@@ -90,8 +96,22 @@ def paged_attend(
     k_cache, v_cache = kv_cache
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, plan.slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, plan.slot_mapping, v)
-    if plan.reference is not None:
-        return paged_attention_reference(q, k, v, k_cache, v_cache, plan.reference, scale)
+    if plan.sdpa is not None:
+        return paged_attention_sdpa(q, k, v, k_cache, v_cache, plan.sdpa, scale)
+    if plan.token_rows is not None:
+        out = q.new_empty(q.shape)
+        cpu_attention.paged_attention_cpu(
+            q,
+            k_cache,
+            v_cache,
+            plan.block_tables,
+            plan.token_seq_idx,
+            plan.token_rows,
+            plan.token_ctx_len,
+            scale,
+            out,
+        )
+        return out
     return paged_attention(
         q, k_cache, v_cache, plan.block_tables, plan.token_seq_idx, plan.token_ctx_len, scale
     )

@@ -3,7 +3,7 @@
 The system C compiler builds it into a per-user cache the first time it is needed (~0.3 s), keyed
 by the source, the flags and the CPU, and ctypes loads it. OpenMP in it binds to the libgomp torch
 has already loaded, so it shares torch's threads. No compiler, or BRIGADE_CPU_KERNEL=0: `load()`
-returns None and the engine uses the pure-torch reference instead.
+returns None and the engine uses torch's SDPA (kernels/cpu_sdpa_attention.py) instead.
 """
 
 from __future__ import annotations

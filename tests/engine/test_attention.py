@@ -32,8 +32,8 @@ def test_metadata_rejects_inconsistent_lengths():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attend_writes_slots_and_matches_dense_attention(dtype):
-    """fp32 runs torch's SDPA; bf16 sends the decode row to the compiled CPU kernel (when a
-    compiler is found) and the prefill rows to SDPA, in one step."""
+    """fp32 runs torch's SDPA; bf16 sends every token, the decode row and the prefill rows, to
+    the compiled CPU kernel (when a compiler is found; else SDPA too)."""
     torch.manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
     k_cache = torch.zeros(6, BLOCK_SIZE, kv_heads, dim, dtype=dtype)
@@ -50,9 +50,7 @@ def test_paged_attend_writes_slots_and_matches_dense_attention(dtype):
     slots = [1 * BLOCK_SIZE + 1, 4 * BLOCK_SIZE + 0, 4 * BLOCK_SIZE + 1, 4 * BLOCK_SIZE + 2]
     attn = metadata([1, 3], [6, 3], [[3, 1], [4, -1]], slots)
     plan = prepare_attention(attn, q.device, dtype)
-    assert (plan.reference.kernel is not None) == (
-        dtype == torch.bfloat16 and cpu_attention.available()
-    )
+    assert (plan.sdpa is None) == (dtype == torch.bfloat16 and cpu_attention.available())
     out = paged_attend(q, k, v, (k_cache, v_cache), plan, dim**-0.5).float()
 
     assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[4, 2], v[3])
@@ -70,3 +68,18 @@ def test_paged_attend_writes_slots_and_matches_dense_attention(dtype):
     expected_b = dense(q[1:], k[1:], v[1:])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, torch.cat([expected_a, expected_b]), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler for the CPU kernel")
+def test_bf16_plan_gives_every_token_its_own_causal_context():
+    attn = metadata(
+        [3, 1, 2], [3, 20, 7], [[3, -1, -1, -1, -1], [0, 1, 5, 6, 7], [2, 8, -1, -1, -1]], [0] * 6
+    )
+    plan = prepare_attention(attn, torch.device("cpu"), torch.bfloat16)
+    assert plan.sdpa is None
+    assert plan.token_seq_idx.tolist() == [0, 0, 0, 1, 2, 2]
+    assert plan.token_rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert plan.token_ctx_len.tolist() == [1, 2, 3, 20, 6, 7]  # causal: up to its own position
+    tables = plan.block_tables
+    assert tables.dtype == torch.int32 and tables.is_contiguous()
+    assert tables.tolist() == attn.block_tables.tolist()
