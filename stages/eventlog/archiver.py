@@ -3,7 +3,8 @@
 Exactly once across restarts: rows are written (fsync, atomic rename), then the checkpoint, then
 the ack. The checkpoint, not the consumer's ack state, says where to resume: at start the
 durable is reused only when its ack floor equals the checkpoint with nothing pending, otherwise
-it is recreated to start at checkpoint + 1. One archiver per archive directory.
+it is recreated to start at checkpoint + 1. One archiver per archive directory. It runs as a
+service of the stage runtime with no input of its own there (its consumer is the one above).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import anyio.abc
 from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import NotFoundError
@@ -21,8 +23,9 @@ from nats.js.errors import NotFoundError
 from schemas import subjects
 from schemas.logrows import default_archive_dir, row_from_message
 from stages.eventlog.parquet import ParquetLog
-from stages.runtime.bus import Bus, BusConfig
-from stages.runtime.worker import stop_on_signal
+from stages.runtime.bus import Bus
+from stages.runtime.service import Service
+from stages.runtime.worker import StageContext, StageSpec
 
 log = logging.getLogger("brigade.archiver")
 DURABLE = subjects.durable_name("archiver")
@@ -59,7 +62,7 @@ class ArchiverStats:
     num_lost: int = 0  # sequences the stream no longer held when we got to them (max age)
 
 
-class Archiver:
+class Archiver(Service):
     def __init__(self, bus: Bus, config: ArchiverConfig) -> None:
         self.bus = bus
         self.config = config
@@ -158,12 +161,17 @@ class Archiver:
             # AckPolicy.ALL: acknowledges every earlier delivery too
             await (msg.ack_sync() if confirm else msg.ack())
 
-    async def run(self, stop: anyio.Event, ready: anyio.Event | None = None) -> None:
+    async def run(
+        self,
+        stopping: anyio.Event,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Archive until `stopping`, then write what is buffered and ack it (confirmed)."""
         await self.start()
-        if ready is not None:
-            ready.set()
+        task_status.started()
         timeout = min(self.config.max_age_s, 1.0)
-        while not stop.is_set():
+        while not stopping.is_set():
             try:
                 msgs = await self._sub.fetch(self.config.fetch_batch, timeout=timeout)
             except TimeoutError:
@@ -184,33 +192,15 @@ class Archiver:
         )
 
 
-async def serve(
-    *,
-    config: BusConfig | None = None,
-    stop: anyio.Event | None = None,
-    ready: anyio.Event | None = None,
-    archiver: ArchiverConfig | None = None,
-    handle_signals: bool = True,
-) -> ArchiverStats:
-    """Connect, archive until `stop` (or SIGTERM/SIGINT), write what is buffered, close.
+def spec(config: ArchiverConfig | None = None) -> StageSpec:
+    """`brigade stage archiver`; `config` defaults to the archive directory of
+    schemas.logrows.default_archive_dir(), read when the stage starts."""
 
-    The signature `brigade stage` expects: `config` is the bus; `archiver` defaults to the
-    archive directory of schemas.logrows.default_archive_dir()."""
-    archiver_config = archiver or ArchiverConfig(archive_dir=default_archive_dir())
-    stop = stop or anyio.Event()
-    bus = await Bus.connect(config, name="brigade-archiver")
-    worker = Archiver(bus, archiver_config)
-    try:
-        async with anyio.create_task_group() as tg:
-            if handle_signals:
-                tg.start_soon(stop_on_signal, stop)
-            await worker.run(stop, ready)
-            tg.cancel_scope.cancel()
-    finally:
-        await bus.close()
-    return worker.stats
+    def service(ctx: StageContext, state: None) -> Archiver:
+        return Archiver(ctx.bus, config or ArchiverConfig(archive_dir=default_archive_dir()))
+
+    # the final write on stop gets the drain; past it the rows are redelivered (not acked)
+    return StageSpec(name="archiver", service=service, drain_s=30.0)
 
 
-def main() -> None:
-    """`brigade stage archiver`: one process, anyio on uvloop."""
-    anyio.run(serve, backend="asyncio", backend_options={"use_uvloop": True})
+SPEC = spec()
