@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import anyio
+import anyio.abc
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -18,7 +19,10 @@ from stages.edge.keys import KeyRing
 from stages.edge.openai_routes import OpenAIRoutes
 from stages.edge.runs import RunRoutes
 from stages.edge.websocket import stream_socket
+from stages.runtime import worker as runtime
 from stages.runtime.bus import Bus
+from stages.runtime.service import Service
+from stages.runtime.worker import StageContext, StageSpec
 
 
 def build_app(edge: Edge) -> Starlette:
@@ -63,56 +67,79 @@ async def serve(*, config, stop: anyio.Event, ready: anyio.Event | None = None,
                 edge_config: EdgeConfig | None = None, keys: KeyRing | None = None,
                 handle_signals: bool = True) -> None:  # fmt: skip
     """`brigade stage edge`: the HTTP server plus the run-state projector, until `stop`."""
-    from stages.eventlog import runstate
-    from stages.runtime import worker as runtime
-
-    edge_config = edge_config or EdgeConfig.from_env()
-    bus = await Bus.connect(config, name="brigade-edge")
-    edge = Edge(bus, edge_config, keys or KeyRing.from_env())
-    await edge.start()
-    server = _Server(
-        uvicorn.Config(
-            build_app(edge),
-            host=edge_config.host,
-            port=edge_config.port,
-            ws_max_size=2 * edge_config.max_frame_bytes,
-            h11_max_incomplete_event_size=4 * edge_config.max_header_bytes,
-            log_level="warning",
-            lifespan="off",
-        )
+    await runtime.serve(
+        spec(edge_config, keys),
+        config=config,
+        stop=stop,
+        ready=ready,
+        handle_signals=handle_signals,
     )
-    projector_ready, server_done = anyio.Event(), anyio.Event()
 
-    async def run_server() -> None:
-        try:
-            await server.serve()
-        finally:
-            server_done.set()
 
-    try:
+def spec(edge_config: EdgeConfig | None = None, keys: KeyRing | None = None) -> StageSpec:
+    """The edge as a stage with no input: the runtime connects, signals, readies and stops it;
+    in-flight streams get `drain_s` to finish after a stop, then they are cut."""
+
+    def service(ctx: StageContext, state: None) -> EdgeService:
+        return EdgeService(ctx.bus, edge_config or EdgeConfig.from_env(), keys)
+
+    return StageSpec(name="edge", service=service, drain_s=10.0)
+
+
+class EdgeService(Service):
+    """uvicorn over build_app(edge), and the run-state projector beside it on its own worker."""
+
+    def __init__(self, bus: Bus, config: EdgeConfig, keys: KeyRing | None) -> None:
+        self.edge = Edge(bus, config, keys or KeyRing.from_env())
+        self.config = config
+
+    async def run(
+        self,
+        stopping: anyio.Event,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        from stages.eventlog import runstate
+
+        edge, config = self.edge, self.config
+        await edge.start()
+        server = _Server(
+            uvicorn.Config(
+                build_app(edge),
+                host=config.host,
+                port=config.port,
+                ws_max_size=2 * config.max_frame_bytes,
+                h11_max_incomplete_event_size=4 * config.max_header_bytes,
+                log_level="warning",
+                lifespan="off",
+            )
+        )
+        projector_ready, server_done = anyio.Event(), anyio.Event()
+
+        async def run_server() -> None:
+            try:
+                await server.serve()
+            except SystemExit:  # uvicorn exits when it cannot bind: raised below, with where
+                pass
+            finally:
+                server_done.set()
+
         async with anyio.create_task_group() as tg:
             edge.background = tg
-            tg.start_soon(lambda: runtime.serve(runstate.SPEC, config=config, stop=stop,
-                                                ready=projector_ready, handle_signals=False))  # fmt: skip
+            tg.start_soon(lambda: runtime.serve(runstate.SPEC, config=edge.bus.config,
+                                                stop=stopping, ready=projector_ready,
+                                                handle_signals=False))  # fmt: skip
             tg.start_soon(run_server)
-            if handle_signals:
-                tg.start_soon(runtime.stop_on_signal, stop)
             while not server.started and not server_done.is_set():
                 await anyio.sleep(0.01)
             if server_done.is_set():
-                raise RuntimeError(
-                    f"edge could not listen on {edge_config.host}:{edge_config.port}"
-                )
+                raise RuntimeError(f"edge could not listen on {config.host}:{config.port}")
             await projector_ready.wait()
-            if ready is not None:
-                ready.set()
-            await stop.wait()
+            task_status.started()
+            await stopping.wait()
             server.should_exit = True
-            with anyio.move_on_after(10):  # in-flight streams finish or are cut after 10 s
-                await server_done.wait()
+            await server_done.wait()  # the runtime cuts what is still streaming after drain_s
             tg.cancel_scope.cancel()
-    finally:
-        await bus.close()
 
 
 class _Server(uvicorn.Server):

@@ -2,15 +2,20 @@
 ownership of runs, health and metrics. (Whole runs through the pipeline: test_edge_e2e.py.)"""
 
 import json
+import socket
 
+import anyio
 import httpx
 import pytest
 import websockets
 
 from schemas import subjects
 from schemas.events import Request, RequestAuthorized
+from stages.edge.app import serve
+from stages.edge.core import EdgeConfig
 from stages.runtime.bus import Bus
 from tests.stages.edge_harness import ACME_KEY, GLOBEX_KEY, MODEL, keyring_for_tests, running_edge
+from tools.stage_procs import connected
 
 pytestmark = pytest.mark.anyio
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -165,3 +170,28 @@ async def test_websocket_resume_query_is_checked(bus_config, tmp_path):
             f"{edge.ws_url}?request_id=x&starting_after=abc", additional_headers=auth
         ) as ws:
             assert json.loads(await ws.recv())["error"]["field"] == "starting_after"
+
+
+async def test_a_port_in_use_fails_the_start_and_leaves_no_connection(
+    bus_config, nats_server, tmp_path
+):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ready = anyio.Event()
+        with pytest.raises(Exception) as info:  # noqa: PT011 - checked below, group or not
+            await serve(
+                config=bus_config,
+                stop=anyio.Event(),
+                ready=ready,
+                edge_config=EdgeConfig(host="127.0.0.1", port=port),
+                keys=keyring_for_tests(tmp_path),
+                handle_signals=False,
+            )
+    errors = info.value.exceptions if isinstance(info.value, BaseExceptionGroup) else [info.value]
+    while any(isinstance(e, BaseExceptionGroup) for e in errors):
+        errors = [x for e in errors for x in getattr(e, "exceptions", [e])]
+    assert [str(e) for e in errors] == [f"edge could not listen on 127.0.0.1:{port}"]
+    assert not ready.is_set()
+    assert connected(nats_server.monitor_url, "edge") is False
