@@ -1,76 +1,252 @@
-"""OpenAI HTTP schemas <-> Brigade: a chat or completions body becomes a `Submit`; a run's text
-and usage become `chat.completion(.chunk)` / `text_completion` bodies (errors: errors.py).
+"""OpenAI HTTP schemas <-> Brigade: a chat or completions body becomes a `Submit`; a run's text,
+logprobs and usage become `chat.completion(.chunk)` / `text_completion` bodies (errors: errors.py).
 
-Unknown OpenAI fields are ignored (as vLLM does); unsupported values are refused by name.
+Every parameter is honoured, refused by name or harmlessly ignored (openai_params.PARAMS); an
+unknown one is refused. Sampling fields carry the wire's own bounds (schemas.events.Submit), so a
+bad value is refused here, naming the request's field. finish_reason is one of the SDK's: a
+cancelled run reads "stop" (its state stays in GET /v1/runs/{id}).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
-from schemas.events import Submit, Usage
+from schemas.events import RunCancelled, RunCompleted, Submit, Usage
 from stages.edge.errors import RequestError
+from stages.edge.openai_params import CHAT, COMPLETIONS, check_params
+
+_WIRE = {f.name: f.type for f in msgspec.structs.fields(Submit)}
+Temperature = _WIRE["temperature"]
+TopP = _WIRE["top_p"]
+MinP = _WIRE["min_p"]
+MaxTokens = _WIRE["max_tokens"]
+MinTokens = _WIRE["min_tokens"]
+Seed = _WIRE["seed"]
+Stop = _WIRE["stop"]
+StopString = get_args(get_args(Stop)[0])[0]  # one stop string, with the wire's bounds
+StopTokenIds = _WIRE["stop_token_ids"]
+RepetitionPenalty = _WIRE["repetition_penalty"]
+Penalty = _WIRE["presence_penalty"]
+ChatTopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+CompletionLogprobs = Annotated[int, Meta(ge=0, le=5)]  # OpenAI's legacy bound
+FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")  # what the SDK accepts
 
 
-class TextPart(Struct, frozen=True):
+class TextPart(Struct, frozen=True, forbid_unknown_fields=True):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(Struct, frozen=True):
+class ChatMessage(Struct, frozen=True, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
 
-class StreamOptions(Struct, frozen=True):
+class StreamOptions(Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class _Common(Struct, frozen=True, kw_only=True):
+class _Common(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    max_tokens: MaxTokens | None = None
+    stop: StopString | Stop | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: str | None = None  # ignored (openai_params)
     # vLLM-style extras, sent by the openai SDK through `extra_body`
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = None  # -1 or 0: off
+    min_p: MinP | None = None
+    min_tokens: MinTokens | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds | None = None
 
 
-class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
+class ChatCompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
+    top_logprobs: ChatTopLogprobs | None = None
+    parallel_tool_calls: bool | None = None  # ignored
+    metadata: dict[str, str] | None = None  # ignored
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the engine must return; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionRequest(_Common, frozen=True, kw_only=True):
+class CompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_fields=True):
     prompt: str | list[str]
-    echo: bool = False
-    suffix: str | None = None
+    logprobs: CompletionLogprobs | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
-_FIELD_RE = re.compile(r"at `\$\.?([A-Za-z_][A-Za-z0-9_]*)")
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+_MISSING_RE = re.compile(r"missing required field `([^`]+)`")
+_UNKNOWN_RE = re.compile(r"unknown field `([^`]+)`")
+_AT_RE = re.compile(r" - at `\$(.*)`$")
+_REFUSED_PARTS = ("image_url", "input_audio", "file", "refusal")
+_MESSAGE_FIELDS = ("role", "content")
+
+
+def param_of(err: msgspec.ValidationError) -> str | None:
+    """The request field a msgspec error is about, as `messages[0].role` (None: the body)."""
+    text = str(err)
+    at = _AT_RE.search(text)
+    path = at.group(1).lstrip(".") if at else ""
+    named = _MISSING_RE.search(text) or _UNKNOWN_RE.search(text)
+    if named:
+        path = f"{path}.{named.group(1)}" if path else named.group(1)
+    return path or None
+
+
+def _detail(err: msgspec.ValidationError) -> str:
+    return _AT_RE.sub("", str(err))
+
+
+def validate_messages(raw: Any) -> Any:
+    """Refuse tool and function turns, speaker names and non-text parts by their path; returns
+    the messages without their no-op fields (null or empty tool_calls, refusal, audio)."""
+    if not isinstance(raw, list):
+        return raw  # the struct names the type error
+    kept: list[Any] = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            kept.append(m)
+            continue
+        at = f"messages[{i}]"
+        if m.get("role") in ("tool", "function"):
+            raise RequestError(
+                "unsupported_parameter",
+                f"{at}.role={m['role']!r}: tool and function results need tool calling, which is "
+                "not supported yet (see `tools`); roles allowed: system, developer, user, "
+                "assistant",
+                f"{at}.role",
+            )
+        for name, value in m.items():
+            if name in _MESSAGE_FIELDS:
+                continue
+            if name == "name" and value is not None:
+                raise RequestError(
+                    "unsupported_parameter",
+                    f"{at}.name: the served model's chat template has no place for a speaker "
+                    "name; put it in the content",
+                    f"{at}.name",
+                )
+            if name in ("tool_calls", "function_call", "refusal", "audio", "name"):
+                if value is None or value == []:
+                    continue
+                raise RequestError(
+                    "unsupported_parameter",
+                    f"{at}.{name} is not supported: tool calling and audio are not supported "
+                    "yet; allowed: null",
+                    f"{at}.{name}",
+                )
+            raise RequestError(
+                "unknown_parameter",
+                f"unknown field `{name}` in {at}; a message takes role and content",
+                f"{at}.{name}",
+            )
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in _REFUSED_PARTS:
+                    raise RequestError(
+                        "unsupported_parameter",
+                        f"{at}.content[{j}].type={kind!r}: the served model reads text only; "
+                        "allowed: text",
+                        f"{at}.content[{j}].type",
+                    )
+        kept.append({k: v for k, v in m.items() if k in _MESSAGE_FIELDS})
+    return kept
+
+
+def decode_body(body: bytes, kind: type[OpenAIRequest]) -> Any:
+    """The request, or a 400 naming the parameter: unknown, refused, of the wrong type or out
+    of range, or missing."""
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as err:
+        raise RequestError("invalid_request", f"request body is not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise RequestError(
+            "invalid_request", f"the request body must be a JSON object, not {type(raw).__name__}"
+        )
+    endpoint = CHAT if kind is ChatCompletionRequest else COMPLETIONS
+    raw = check_params(raw, endpoint)
+    if endpoint == CHAT and "messages" in raw:
+        raw["messages"] = validate_messages(raw["messages"])
+    try:
+        req = msgspec.convert(raw, kind)
+    except msgspec.ValidationError as err:
+        param = param_of(err)
+        missing = _MISSING_RE.search(str(err)) is not None
+        message = (
+            f"missing required parameter `{param}`"
+            if missing
+            else f"invalid `{param or 'body'}`: {_detail(err)}"
+        )
+        raise RequestError("invalid_request", message, param) from None
+    _check_together(req)
+    return req
+
+
+def _check_together(req: OpenAIRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise RequestError(
+            "invalid_request", "stream_options is only allowed with stream: true", "stream_options"
+        )
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise RequestError(
+                "invalid_request", "top_logprobs needs logprobs: true", "top_logprobs"
+            )
+        if not req.messages:
+            raise RequestError("invalid_request", "messages must not be empty", "messages")
+        for i, m in enumerate(req.messages):
+            if m.content is None:
+                raise RequestError(
+                    "invalid_request",
+                    f"messages[{i}].content is null; a {m.role} message needs text content",
+                    f"messages[{i}].content",
+                )
+    elif not isinstance(req.prompt, str) and len(req.prompt) != 1:
+        raise RequestError(
+            "invalid_request",
+            f"prompt must be one string, got a list of {len(req.prompt)}; several prompts per "
+            "request are not supported yet",
+            "prompt",
+        )
+
+
+def text_of(msg: ChatMessage) -> str:
+    if msg.content is None:
+        return ""
+    if isinstance(msg.content, str):
+        return msg.content
+    return "".join(part.text for part in msg.content)
+
+
 _SAMPLING = (
     "temperature",
     "top_p",
     "seed",
     "presence_penalty",
     "frequency_penalty",
-    "top_k",
     "min_p",
     "min_tokens",
     "repetition_penalty",
@@ -79,61 +255,26 @@ _SAMPLING = (
 )
 
 
-def _field_of(err: msgspec.ValidationError) -> str | None:
-    found = _FIELD_RE.search(str(err))
-    return found.group(1) if found else None
-
-
-def decode_body(body: bytes, kind: type[Struct]) -> Any:
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as err:
-        raise RequestError(
-            "invalid_request", f"invalid request body: {err}", _field_of(err)
-        ) from None
-    except msgspec.DecodeError as err:
-        raise RequestError("invalid_request", f"request body is not valid JSON: {err}") from None
-
-
-def _text_of(msg: ChatMessage) -> str:
-    if msg.content is None:
-        return ""
-    if isinstance(msg.content, str):
-        return msg.content
-    return "".join(part.text for part in msg.content)
-
-
-def to_submit(req: ChatCompletionRequest | CompletionRequest, **extra: Any) -> Submit:
-    """Validate against the wire contract; `extra` carries request_id, api_key, idempotency_key."""
-    if req.n != 1:
-        raise RequestError("invalid_request", f"n={req.n} is not supported; only n=1", "n")
+def to_submit(req: OpenAIRequest, **extra: Any) -> Submit:
+    """The wire submit; `extra` carries model, request_id, api_key, idempotency_key."""
     fields: dict[str, Any] = {"model": req.model, **extra}
     if isinstance(req, ChatCompletionRequest):
-        if not req.messages:
-            raise RequestError("invalid_request", "messages must not be empty", "messages")
         fields["messages"] = [
-            {"role": "system" if m.role == "developer" else m.role, "content": _text_of(m)}
+            {"role": "system" if m.role == "developer" else m.role, "content": text_of(m)}
             for m in req.messages
         ]
         max_tokens = req.max_completion_tokens or req.max_tokens
     else:
-        if req.echo:
-            raise RequestError("invalid_request", "echo=true is not supported", "echo")
-        if req.suffix:
-            raise RequestError("invalid_request", "suffix is not supported", "suffix")
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if len(prompts) != 1:
-            raise RequestError(
-                "invalid_request",
-                f"prompt must be one string, got a list of {len(prompts)}",
-                "prompt",
-            )
-        fields["prompt"] = prompts[0]
+        fields["prompt"] = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
         max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
     if req.stop is not None:
         fields["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    if req.top_k is not None and req.top_k not in (-1, 0):  # vLLM's "off"
+        fields["top_k"] = req.top_k
+    if req.num_logprobs is not None:
+        fields["logprobs"] = req.num_logprobs
     for name in _SAMPLING:
         value = getattr(req, name)
         if value is not None:
@@ -141,7 +282,16 @@ def to_submit(req: ChatCompletionRequest | CompletionRequest, **extra: Any) -> S
     try:
         return msgspec.convert(fields, Submit)
     except msgspec.ValidationError as err:
-        raise RequestError("invalid_request", f"invalid request: {err}", _field_of(err)) from None
+        param = param_of(err)
+        if param == "max_tokens" and isinstance(req, ChatCompletionRequest):
+            param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        raise RequestError("invalid_request", f"invalid `{param}`: {_detail(err)}", param) from None
+
+
+def finish_reason(term: RunCompleted | RunCancelled) -> str:
+    """The SDK's finish_reason for a run's end: a cancelled run (a client's cancel, a timeout,
+    a disconnect) reads "stop"; GET /v1/runs/{id} keeps state "cancelled"."""
+    return term.finish_reason if isinstance(term, RunCompleted) else "stop"
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -154,9 +304,14 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def chat_chunk(
-    rid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": f"chatcmpl-{rid}",
         "object": "chat.completion.chunk",
@@ -167,9 +322,14 @@ def chat_chunk(
 
 
 def completion_chunk(
-    rid: str, created: int, model: str, text: str, finish_reason: str | None
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": f"cmpl-{rid}",
         "object": "text_completion",
@@ -191,14 +351,22 @@ def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: Usage) ->
 
 
 def full_response(
-    chat: bool, rid: str, created: int, model: str, text: str, finish_reason: str, usage: Usage
+    chat: bool,
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage: Usage,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    assert finish_reason in FINISH_REASONS, f"{finish_reason!r} is not an SDK finish_reason"
     if chat:
-        body = chat_chunk(rid, created, model, {}, finish_reason)
+        body = chat_chunk(rid, created, model, {}, finish_reason, logprobs)
         body["object"] = "chat.completion"
         body["choices"][0].pop("delta")
         body["choices"][0]["message"] = {"role": "assistant", "content": text}
     else:
-        body = completion_chunk(rid, created, model, text, finish_reason)
+        body = completion_chunk(rid, created, model, text, finish_reason, logprobs)
     body["usage"] = usage_body(usage)
     return body

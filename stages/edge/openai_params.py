@@ -1,0 +1,247 @@
+"""Every request parameter of POST /v1/chat/completions and /v1/completions, in one table.
+
+A parameter is `honoured`, `refused` (only its no-op value is taken: null, 1, false, "none"...;
+any other is a 400 that names it, says why and what is allowed) or `ignored` (harmless: taken and
+without effect). A parameter not in the table is a 400 naming it. docs/api.md prints this table
+(tests/stages/edge/test_openai_params.py keeps the two equal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from stages.edge.errors import RequestError
+
+Status = Literal["honoured", "refused", "ignored"]
+CHAT, COMPLETIONS = "chat", "completions"
+BOTH = (CHAT, COMPLETIONS)
+PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+NOT_YET = "not supported by the engine yet"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Param:
+    name: str
+    status: Status
+    note: str
+    endpoints: tuple[str, ...] = BOTH
+    takes: Callable[[Any], bool] | None = None  # refused: the no-op values taken anyway
+    allowed: str = ""  # those values, in words
+
+    def __post_init__(self) -> None:
+        assert (self.status == "refused") == (self.takes is not None), (
+            f"{self.name}: a refused parameter says which no-op values it takes"
+        )
+
+
+def _null(value: Any) -> bool:
+    return value is None
+
+
+def _null_or(*values: Any) -> Callable[[Any], bool]:
+    """None or one of `values`, compared with their type (True is not 1)."""
+    return lambda v: v is None or any(type(v) is type(x) and v == x for x in values)
+
+
+def _empty_map(value: Any) -> bool:
+    return value is None or value == {}
+
+
+def _empty_list(value: Any) -> bool:
+    return value is None or value == []
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or value == {"type": "text"}
+
+
+def _text_modality(value: Any) -> bool:
+    return value is None or value == ["text"]
+
+
+def _honoured(name: str, note: str, endpoints: tuple[str, ...] = BOTH) -> Param:
+    return Param(name=name, status="honoured", note=note, endpoints=endpoints)
+
+
+def _ignored(name: str, note: str, endpoints: tuple[str, ...] = BOTH) -> Param:
+    return Param(name=name, status="ignored", note=note, endpoints=endpoints)
+
+
+def _refused(
+    name: str,
+    note: str,
+    takes: Callable[[Any], bool] = _null,
+    allowed: str = "null",
+    endpoints: tuple[str, ...] = BOTH,
+) -> Param:
+    return Param(
+        name=name, status="refused", note=note, takes=takes, allowed=allowed, endpoints=endpoints
+    )
+
+
+_GRAMMAR = f"grammar-constrained decoding is {NOT_YET}"
+PARAMS: tuple[Param, ...] = (
+    # OpenAI's chat and completions parameters, as the `openai` SDK sends them
+    _honoured(
+        "model",
+        "the served model's id or one of its aliases; the reply names the served "
+        "id; any other is a 404 `model_not_found`",
+    ),  # fmt: skip
+    _honoured(
+        "messages",
+        "roles system, developer (as system), user, assistant; text content "
+        "(a string or text parts)",
+        (CHAT,),
+    ),  # fmt: skip
+    _honoured("prompt", "one string (or a list of one string)", (COMPLETIONS,)),
+    _honoured("max_tokens", "1..8192; completions default 16, chat default 256"),
+    _honoured("max_completion_tokens", "1..8192; wins over max_tokens", (CHAT,)),
+    _honoured("temperature", "0..2; 0 is greedy"),
+    _honoured("top_p", "(0, 1]"),
+    _honoured("stream", "server-sent events ending in `data: [DONE]`"),
+    _honoured("stream_options", "`include_usage`; only with stream: true"),
+    _honoured("stop", "a string or up to 16 strings of 1..256 characters"),
+    _honoured("presence_penalty", "-2..2"),
+    _honoured("frequency_penalty", "-2..2"),
+    _honoured("seed", "0..2^63-1: the same seed and request give the same text"),
+    _honoured("logprobs", "chat: true/false; completions: 0..5 top alternatives per token"),
+    _honoured("top_logprobs", "0..20 alternatives per token; needs logprobs: true", (CHAT,)),
+    _refused("n", f"several choices per request are {NOT_YET}", _null_or(1), "1"),
+    _refused(
+        "best_of", f"several candidates per request are {NOT_YET}", _null_or(1), "1", (COMPLETIONS,)
+    ),  # fmt: skip
+    _refused(
+        "echo", f"echo needs prompt logprobs, {NOT_YET}", _null_or(False), "false", (COMPLETIONS,)
+    ),  # fmt: skip
+    _refused(
+        "suffix",
+        "fill-in-the-middle is not supported by the served model",
+        _null_or(""),
+        'null or ""',
+        (COMPLETIONS,),
+    ),  # fmt: skip
+    _refused("logit_bias", f"a logit bias in the sampler is {NOT_YET}", _empty_map, "null or {}"),
+    _refused(
+        "response_format",
+        f"json_object and json_schema need {_GRAMMAR}",
+        _text_format,
+        '{"type": "text"}',
+    ),  # fmt: skip
+    _refused("tools", f"tool calling needs {_GRAMMAR}", _empty_list, "null or []"),
+    _refused("tool_choice", f"tool calling needs {_GRAMMAR}", _null_or("none"), '"none"'),
+    _refused("functions", f"function calling needs {_GRAMMAR}", _empty_list, "null or []", (CHAT,)),
+    _refused(
+        "function_call", f"function calling needs {_GRAMMAR}", _null_or("none"), '"none"', (CHAT,)
+    ),  # fmt: skip
+    _ignored("parallel_tool_calls", "no effect: no tools can be given", (CHAT,)),
+    _ignored("user", "the tenant comes from the API key; the value is not stored"),
+    _ignored("metadata", "OpenAI's tags for stored completions; not stored", (CHAT,)),
+    _refused(
+        "store",
+        "Brigade keeps no store of completions for evals (every run is in the "
+        "event log: GET /v1/runs/{id})",
+        _null_or(False),
+        "false",
+        (CHAT,),
+    ),  # fmt: skip
+    _refused(
+        "service_tier",
+        "one service tier; a tenant's priority comes with its key",
+        _null_or("auto", "default"),
+        '"auto" or "default"',
+        (CHAT,),
+    ),  # fmt: skip
+    _refused(
+        "modalities", "the served model writes text only", _text_modality, '["text"]', (CHAT,)
+    ),  # fmt: skip
+    _refused("audio", "the served model writes text only", endpoints=(CHAT,)),
+    _refused("prediction", f"predicted outputs are {NOT_YET}", endpoints=(CHAT,)),
+    _refused("reasoning_effort", "the served model is not a reasoning model", endpoints=(CHAT,)),
+    _refused("web_search_options", "Brigade has no web search", endpoints=(CHAT,)),
+    # vLLM's extras (the openai SDK sends them through `extra_body`)
+    _honoured("top_k", ">= 1; -1 or 0 turn it off, as in vLLM"),
+    _honoured("min_p", "0..1"),
+    _honoured("min_tokens", "0..8192, at most max_tokens"),
+    _honoured("repetition_penalty", "(0, 2]"),
+    _honoured("ignore_eos", "true: generate past the end-of-sequence token"),
+    _honoured("stop_token_ids", "up to 64 token ids that end generation"),
+    _refused(
+        "skip_special_tokens", "the detokenizer always skips special tokens", _null_or(True), "true"
+    ),  # fmt: skip
+    _refused(
+        "include_stop_str_in_output",
+        "a stop string is always cut from the text",
+        _null_or(False),
+        "false",
+    ),  # fmt: skip
+    _refused(
+        "add_generation_prompt",
+        "the tokenizer always adds the generation prompt",
+        _null_or(True),
+        "true",
+        (CHAT,),
+    ),  # fmt: skip
+    _refused(
+        "continue_final_message",
+        "the tokenizer always starts a new assistant message",
+        _null_or(False),
+        "false",
+        (CHAT,),
+    ),  # fmt: skip
+    _refused(
+        "chat_template", "the served model's own template is always used", endpoints=(CHAT,)
+    ),  # fmt: skip
+    _refused(
+        "chat_template_kwargs", "the served model's own template is always used", endpoints=(CHAT,)
+    ),  # fmt: skip
+    _refused("prompt_logprobs", f"prompt logprobs are {NOT_YET}"),
+    _refused("use_beam_search", f"beam search is {NOT_YET}", _null_or(False), "false"),
+    _refused("guided_json", _GRAMMAR),
+    _refused("guided_regex", _GRAMMAR),
+    _refused("guided_choice", _GRAMMAR),
+    _refused("guided_grammar", _GRAMMAR),
+)
+BY_ENDPOINT: dict[str, dict[str, Param]] = {
+    e: {p.name: p for p in PARAMS if e in p.endpoints} for e in BOTH
+}
+
+
+def taken(endpoint: str) -> list[str]:
+    """The parameters an endpoint honours or ignores (the refused ones take only no-ops)."""
+    return [p.name for p in BY_ENDPOINT[endpoint].values() if p.status != "refused"]
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_params(raw: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    """Refuse unknown parameters and refused values by name; returns the body without the
+    refused parameters' no-op values (what remains is typed by the request struct)."""
+    table = BY_ENDPOINT[endpoint]
+    kept: dict[str, Any] = {}
+    for name, value in raw.items():
+        param = table.get(name)
+        if param is None:
+            elsewhere = [e for e in BOTH if name in BY_ENDPOINT[e]]
+            hint = (
+                f"it belongs to {PATHS[elsewhere[0]]}"
+                if elsewhere
+                else f"{PATHS[endpoint]} takes: {', '.join(sorted(taken(endpoint)))} (the "
+                "table of every parameter: docs/api.md)"
+            )
+            raise RequestError(
+                "unknown_parameter", f"unknown parameter `{name}`; {hint}", str(name)[:64]
+            )
+        if param.takes is None:
+            kept[name] = value
+        elif not param.takes(value):
+            raise RequestError(
+                "unsupported_parameter",
+                f"`{name}`={_show(value)} is not supported: {param.note}; allowed: {param.allowed}",
+                name,
+            )
+    return kept
