@@ -292,7 +292,7 @@ MAX_MODEL_LEN = declare(Setting[int | None](
     name="BRIGADE_MAX_MODEL_LEN", kind="int", default=None, ge=1,
     default_text="the model's context length",
     help="tokens of prompt and output of one request; context and engine must agree",
-    readers=("context", "engine"),
+    readers=("context", "engine", "edge"),
 ))  # fmt: skip
 BATCH_INVARIANT = declare(Setting[bool](
     name="BRIGADE_BATCH_INVARIANT", kind="bool", default=False,
@@ -372,6 +372,11 @@ EDGE_RECONNECT_GRACE_S = declare(Setting[float](
 EDGE_MAX_WAITING_TOKENS = declare(Setting[int](
     name="BRIGADE_EDGE_MAX_WAITING_TOKENS", kind="int", default=65536, ge=1,
     help="prompt tokens the edge lets wait for a first token before it answers 429",
+    readers=("edge",),
+))  # fmt: skip
+EDGE_MODEL_ALIASES = declare(Setting[tuple[str, ...]](
+    name="BRIGADE_EDGE_MODEL_ALIASES", kind="csv", default=(), default_text="none",
+    help="other names the edge accepts in `model` for the served model, comma-separated",
     readers=("edge",),
 ))  # fmt: skip
 EDGE_KV_WATERMARK = declare(Setting[float](

@@ -1,5 +1,6 @@
-"""The edge's app: the Starlette routes of openai_routes, runs and websocket, plus health,
-metrics and models, over one `Edge` (core.py); `serve` runs it with the run-state projector."""
+"""The edge's app: the Starlette routes of openai_routes, runs, model_routes and websocket, plus
+liveness and metrics, over one `Edge` (core.py), every error in OpenAI's shape (errors.py);
+`serve` runs it with the run-state projector."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import anyio
 import anyio.abc
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
 from stages.edge.core import Edge, EdgeConfig
-from stages.edge.errors import RequestError, error_response
+from stages.edge.errors import ErrorMiddleware, http_exception
 from stages.edge.keys import KeyRing
+from stages.edge.model_routes import ModelRoutes
 from stages.edge.openai_routes import OpenAIRoutes
 from stages.edge.runs import RunRoutes
 from stages.edge.websocket import stream_socket
@@ -28,8 +32,10 @@ from stages.runtime.worker import StageContext, StageSpec
 def build_app(edge: Edge) -> Starlette:
     openai = OpenAIRoutes(edge)
     runs = RunRoutes(edge)
+    served = ModelRoutes(edge)
 
     async def healthz(request: Request) -> Response:
+        """Liveness of the edge itself (its NATS connection); /health is readiness."""
         ok = edge.bus.nc.is_connected
         return JSONResponse(
             {"status": "ok" if ok else "nats_disconnected"}, status_code=200 if ok else 503
@@ -38,29 +44,29 @@ def build_app(edge: Edge) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(edge.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
-    async def models(request: Request) -> Response:
-        try:
-            caller = edge.authenticate(request)
-        except RequestError as err:
-            return error_response(err)
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "brigade"}
-                for m in caller.models(edge.keys.default_models)]  # fmt: skip
-        return JSONResponse({"object": "list", "data": data})
-
     async def socket(websocket) -> None:
         await stream_socket(edge, websocket)
 
     routes = [
         Route("/healthz", healthz),
+        Route("/health", served.health),
+        Route("/version", served.version),
         Route("/metrics", metrics),
-        Route("/v1/models", models),
+        Route("/tokenize", served.tokenize, methods=["POST"]),
+        Route("/detokenize", served.detokenize, methods=["POST"]),
+        Route("/v1/models", served.models),
+        Route("/v1/models/{model:path}", served.model),
         Route("/v1/chat/completions", openai.chat, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
         Route("/v1/runs/{request_id}", runs.get),
         Route("/v1/runs/{request_id}/stream", runs.stream),
         WebSocketRoute("/v1/stream", socket),
     ]
-    return Starlette(routes=routes)
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(ErrorMiddleware)],
+        exception_handlers={HTTPException: http_exception},
+    )
 
 
 async def serve(*, config, stop: anyio.Event, ready: anyio.Event | None = None,

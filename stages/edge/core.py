@@ -22,12 +22,14 @@ import msgspec
 from nats.js.errors import NotFoundError
 from starlette.requests import HTTPConnection
 
+from engine.tokenizer import Tokenizer
 from schemas import settings, subjects
 from schemas.events import AnyEvent, CancelRequested, Submit, TextGenerated, decode_event, encode
 from stages import gateway
 from stages.edge.admission import AdmissionConfig, AdmissionGate
 from stages.edge.errors import RequestError
 from stages.edge.keys import Caller, KeyRing
+from stages.edge.logprobs import TokenEvents
 from stages.edge.metrics import EdgeMetrics
 from stages.edge.runwatch import RunWatch
 from stages.eventlog.runstate import RunStates
@@ -35,6 +37,7 @@ from stages.runtime.bus import MSG_ID_HEADER, Bus
 from stages.runtime.worker import StageError
 from stages.tenancy.idempotency import Claim, IdempotencyConflict, IdempotencyStore, request_hash
 from stages.tenancy.ratelimit import estimate_prompt_tokens
+from stages.tokenize import tokenizer_for
 
 MAX_AUTH_HEADER = 1024
 ABANDONED_AFTER_S = 10.0  # a claim with no run in the log this long after: submit it anew
@@ -51,6 +54,9 @@ class EdgeConfig:
     # A client that drops a run with an idempotency key may come back for it: its cancel waits.
     reconnect_grace_s: float = 15.0
     admission: AdmissionConfig = AdmissionConfig()
+    model: str = settings.MODEL.default  # the served model: its id in `model` and /v1/models
+    model_aliases: tuple[str, ...] = ()  # other names accepted for it (answered as `model`)
+    max_model_len: int | None = None  # None: the tokenizer's context length
 
     @classmethod
     def from_env(cls) -> EdgeConfig:
@@ -62,6 +68,9 @@ class EdgeConfig:
             max_header_bytes=found[settings.EDGE_MAX_HEADERS],
             max_frame_bytes=found[settings.EDGE_MAX_FRAME],
             reconnect_grace_s=found[settings.EDGE_RECONNECT_GRACE_S],
+            model=found[settings.MODEL],
+            model_aliases=found[settings.EDGE_MODEL_ALIASES],
+            max_model_len=found[settings.MAX_MODEL_LEN],
             admission=AdmissionConfig(
                 max_waiting_tokens=found[settings.EDGE_MAX_WAITING_TOKENS],
                 kv_watermark=found[settings.EDGE_KV_WATERMARK],
@@ -87,7 +96,8 @@ def check_headers(conn: HTTPConnection, config: EdgeConfig) -> None:
 class Edge:
     def __init__(self, bus: Bus, config: EdgeConfig, keys: KeyRing) -> None:
         self.bus, self.config, self.keys = bus, config, keys
-        self.metrics = EdgeMetrics()
+        self.metrics = EdgeMetrics(config.model)
+        self.tokenizer: Tokenizer | None = None  # the served model's (set by start)
         self.gate = AdmissionGate(config.admission)
         self.following: Counter[str] = Counter()  # clients following each run here
         self.background: anyio.abc.TaskGroup | None = None  # delayed cancels (set by serve)
@@ -99,6 +109,48 @@ class Edge:
         await self.bus.ensure_kv()
         self.idempotency = IdempotencyStore(await self.bus.kv(subjects.IDEMPOTENCY_BUCKET))
         self.runs = RunStates(await self.bus.kv(subjects.RUNS_BUCKET))
+        self.tokenizer = await anyio.to_thread.run_sync(tokenizer_for, self.config.model)
+        self.metrics = EdgeMetrics(self.config.model, self.max_model_len)
+
+    # ---- the served model ----
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.tokenizer is not None, "call start() first"
+        return self.config.max_model_len or self.tokenizer.max_model_len
+
+    def served_model(self, caller: Caller, name: str | None) -> str:
+        """The served model's id for `name` (its id or an alias; None: the served one), else a
+        404 `model_not_found`; a tenant limited to other models gets a 403."""
+        config = self.config
+        if name is not None and name != config.model and name not in config.model_aliases:
+            names = ", ".join((config.model, *config.model_aliases))
+            raise RequestError(
+                "model_not_found",
+                f"the model {name[:100]!r} is not served here; served: {names} "
+                "(GET /v1/models; aliases: BRIGADE_EDGE_MODEL_ALIASES)",
+                "model",
+            )
+        if name is not None and name in caller.allowed_models:
+            return config.model
+        caller.check_model(config.model)
+        return config.model
+
+    async def engine_ready(self) -> tuple[bool, str]:
+        """Whether an engine worker is pulling from its durable now (a waiting pull request)."""
+        if not self.bus.nc.is_connected:
+            return False, "the edge is not connected to NATS"
+        durable = subjects.durable_name("engine")
+        for attempt in range(3):  # a worker tops its pull up every second: look again briefly
+            try:
+                info = await self.bus.js.consumer_info(subjects.EVENTS_STREAM, durable)
+            except NotFoundError:
+                return False, f"no engine durable {durable!r} yet: no engine worker has started"
+            if info.num_waiting:
+                return True, f"{info.num_waiting} engine pull request(s) waiting"
+            if attempt < 2:
+                await anyio.sleep(0.1)
+        return False, f"no engine worker is pulling from {durable!r}"
 
     # ---- identity ----
 
@@ -137,23 +189,34 @@ class Edge:
 
     # ---- runs ----
 
-    def _watch(self, request_id: str, starting_after: int | None) -> RunWatch:
+    def _watch(
+        self, request_id: str, starting_after: int | None, tokens: TokenEvents | None = None
+    ) -> RunWatch:
+        def observe(event: AnyEvent, received_ns: int) -> None:
+            self._observe(event, received_ns)
+            if tokens is not None:
+                tokens.observe(event)
+
         return RunWatch(
             self.bus.nc,
             self.bus.js,
             request_id,
             starting_after=starting_after,
             idle_timeout_s=self.config.idle_timeout_s,
-            on_event=self._observe,
+            on_event=observe,
         )
 
     def _observe(self, event: AnyEvent, _received_ns: int) -> None:
         self.metrics.observe_event(event)
         self.gate.observe(event)
 
-    async def open_run(self, caller: Caller, submit: Submit) -> RunWatch:
-        """Subscribe, then submit; with an idempotency key possibly re-attach to its first run."""
-        caller.check_model(submit.model)
+    async def open_run(
+        self, caller: Caller, submit: Submit, tokens: TokenEvents | None = None
+    ) -> RunWatch:
+        """Subscribe, then submit; with an idempotency key possibly re-attach to its first run.
+        `tokens`, when given, receives the run's `tokens` events (for logprobs)."""
+        model = self.served_model(caller, submit.model)
+        submit = msgspec.structs.replace(submit, model=model)
         try:  # the gateway's own checks, here for a fast 400 and the idempotency digest
             request = gateway.normalize(submit, limit_chars=gateway.max_text_chars())
         except StageError as err:
@@ -162,13 +225,18 @@ class Edge:
         submit = msgspec.structs.replace(submit, request_id=request_id, api_key=caller.api_key)
         self.gate.admit(request_id, reserved_tokens(submit), caller.priority)
         try:
-            return await self._submit(caller, submit, request_hash(request), request_id)
+            return await self._submit(caller, submit, request_hash(request), request_id, tokens)
         except BaseException:
             self.gate.release(request_id)
             raise
 
     async def _submit(
-        self, caller: Caller, submit: Submit, digest: str, request_id: str
+        self,
+        caller: Caller,
+        submit: Submit,
+        digest: str,
+        request_id: str,
+        tokens: TokenEvents | None,
     ) -> RunWatch:
         if submit.idempotency_key is not None:
             assert self.idempotency is not None
@@ -189,11 +257,13 @@ class Edge:
                 claim = Claim(request_id=request_id, new=True)
             if not claim.new:
                 self.gate.release(request_id)
-                watch = self._watch(claim.request_id, starting_after=-1)
+                if tokens is not None:
+                    tokens.request_id = claim.request_id
+                watch = self._watch(claim.request_id, starting_after=-1, tokens=tokens)
                 watch.idempotency_key = submit.idempotency_key
                 await watch.start()
                 return watch
-        watch = self._watch(request_id, starting_after=None)
+        watch = self._watch(request_id, starting_after=None, tokens=tokens)
         watch.idempotency_key = submit.idempotency_key
         await watch.start()
         await self.bus.nc.flush()

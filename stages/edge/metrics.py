@@ -1,8 +1,12 @@
-"""Prometheus metrics of the edge, named like vLLM's (`vllm:` -> `brigade:`).
+"""Prometheus metrics of the edge, named like vLLM's (`vllm:` -> `brigade:`), every series
+labelled with the served `model_name`.
 
 Latencies are measured at the edge (submit -> first delta -> each delta -> end); queue, prefill
-and decode times and the engine gauges come from the engine's `finished` / `tokens` events;
-per-stage durations from each event's `service_ns`. One registry per app, so tests never clash.
+and decode times, time per output token and the engine gauges come from the engine's `finished`
+/ `tokens` events; token counts per request from each run's end; per-stage durations from each
+event's `service_ns`. One registry per app, so tests never clash. The events carry no
+per-step batch size, preemption count or prefix-cache counters, so vLLM's
+`iteration_tokens_total`, `num_preemptions` and `prefix_cache_queries`/`hits` are not exported.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from schemas.events import (
     AnyEvent,
     RequestFailed,
+    RunCancelled,
     RunCompleted,
     RunFinished,
     TokensGenerated,
@@ -27,70 +32,97 @@ STAGE_OF_EVENT = {
     "completed": "detokenize",
     "billed": "ledger",
 }
-_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-_LONG = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+# vLLM's buckets: TTFT up to 2560 s, per-token times up to 80 s, request times up to 7680 s.
+_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+         10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_PER_TOKEN = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+              10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_LONG = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+         120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 _STAGE = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
+_LABEL = "model_name"
+
+
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length (vLLM's request token buckets)."""
+    buckets, scale = [], 1
+    while scale <= max_model_len:
+        buckets += [float(m * scale) for m in (1, 2, 5) if m * scale <= max_model_len]
+        scale *= 10
+    return tuple(buckets)
 
 
 class EdgeMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
+        self.model_name = model = model_name
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram(
-            "brigade:time_to_first_token_seconds", "Submit to first text delta.", registry=r,
-            buckets=_LATENCY,
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, [_LABEL], registry=r, buckets=buckets).labels(model)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, [_LABEL], registry=r).labels(model)
+
+        self.ttft = histogram(
+            "brigade:time_to_first_token_seconds", "Submit to first text delta.", _TTFT
+        )
+        self.itl = histogram(
+            "brigade:inter_token_latency_seconds", "Between consecutive text deltas.", _PER_TOKEN
+        )
+        self.tpot = histogram(
+            "brigade:time_per_output_token_seconds",
+            "A request's decode time per output token after the first.", _PER_TOKEN,
         )  # fmt: skip
-        self.itl = Histogram(
-            "brigade:inter_token_latency_seconds", "Between consecutive text deltas.",
-            registry=r, buckets=_LATENCY,
+        self.e2e = histogram(
+            "brigade:e2e_request_latency_seconds", "Submit to the run's end.", _LONG
+        )
+        self.queue = histogram(
+            "brigade:request_queue_time_seconds", "Waiting for admission into the engine.", _LONG
+        )
+        self.prefill = histogram(
+            "brigade:request_prefill_time_seconds", "Engine admission to first token.", _LONG
+        )
+        self.decode = histogram(
+            "brigade:request_decode_time_seconds", "Engine first token to finish.", _LONG
+        )
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "brigade:request_prompt_tokens", "Prompt tokens of each finished request.", tokens
+        )
+        self.request_generation_tokens = histogram(
+            "brigade:request_generation_tokens", "Generated tokens of each finished request.",
+            tokens,
         )  # fmt: skip
-        self.e2e = Histogram(
-            "brigade:e2e_request_latency_seconds", "Submit to the run's end.", registry=r,
-            buckets=_LONG,
-        )  # fmt: skip
-        self.queue = Histogram(
-            "brigade:request_queue_time_seconds", "Waiting for admission into the engine.",
-            registry=r, buckets=_LONG,
-        )  # fmt: skip
-        self.prefill = Histogram(
-            "brigade:request_prefill_time_seconds", "Engine admission to first token.",
-            registry=r, buckets=_LONG,
-        )  # fmt: skip
-        self.decode = Histogram(
-            "brigade:request_decode_time_seconds", "Engine first token to finish.", registry=r,
-            buckets=_LONG,
-        )  # fmt: skip
-        self.stage = Histogram(
+        self._stage = Histogram(
             "brigade:stage_duration_seconds", "A stage's own service time per event.",
-            ["stage"], registry=r, buckets=_STAGE,
+            [_LABEL, "stage"], registry=r, buckets=_STAGE,
         )  # fmt: skip
-        self.running = Gauge(
-            "brigade:num_requests_running", "Requests in the engine's running batch.", registry=r
+        self.running = gauge("brigade:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge(
+            "brigade:num_requests_waiting", "Requests waiting for engine admission."
         )
-        self.waiting = Gauge(
-            "brigade:num_requests_waiting", "Requests waiting for engine admission.", registry=r
+        self.kv_usage = gauge(
+            "brigade:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."
         )
-        self.kv_usage = Gauge(
-            "brigade:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", registry=r
-        )
-        self.open_streams = Gauge(
-            "brigade:edge_open_streams", "Runs this edge is streaming now.", registry=r
-        )
-        self.success = Counter(
-            "brigade:request_success", "Finished runs by finish reason.", ["finished_reason"],
-            registry=r,
+        self.open_streams = gauge("brigade:edge_open_streams", "Runs this edge is streaming now.")
+        self._success = Counter(
+            "brigade:request_success", "Finished runs by finish reason.",
+            [_LABEL, "finished_reason"], registry=r,
         )  # fmt: skip
-        self.failure = Counter(
-            "brigade:request_failure", "Failed runs by error code.", ["code"], registry=r
+        self._failure = Counter(
+            "brigade:request_failure", "Failed runs by error code.", [_LABEL, "code"], registry=r
         )
-        self.prompt_tokens = Counter("brigade:prompt_tokens", "Prefilled tokens.", registry=r)
+        self.prompt_tokens = Counter(
+            "brigade:prompt_tokens", "Prefilled tokens.", [_LABEL], registry=r
+        ).labels(model)
         self.generation_tokens = Counter(
-            "brigade:generation_tokens", "Generated tokens.", registry=r
-        )
+            "brigade:generation_tokens", "Generated tokens.", [_LABEL], registry=r
+        ).labels(model)
 
     def observe_event(self, event: AnyEvent) -> None:
         stage = STAGE_OF_EVENT.get(type(event).__struct_config__.tag)  # type: ignore[arg-type]
         if stage is not None and event.service_ns > 0:
-            self.stage.labels(stage).observe(event.service_ns / 1e9)
+            self._stage.labels(self.model_name, stage).observe(event.service_ns / 1e9)
         if isinstance(event, TokensGenerated | RunFinished):
             if event.num_running is not None:
                 self.running.set(event.num_running)
@@ -102,12 +134,19 @@ class EdgeMetrics:
             self.queue.observe(event.queue_ns / 1e9)
             self.prefill.observe(event.prefill_ns / 1e9)
             self.decode.observe(event.decode_ns / 1e9)
-        elif isinstance(event, RunCompleted):
-            self.success.labels(event.finish_reason).inc()
+            if event.usage.completion_tokens > 1:
+                self.tpot.observe(event.decode_ns / 1e9 / (event.usage.completion_tokens - 1))
+        elif isinstance(event, RunCompleted | RunCancelled):
+            if isinstance(event, RunCompleted):
+                self._success.labels(self.model_name, event.finish_reason).inc()
+            else:
+                self._success.labels(self.model_name, "abort").inc()
             self.prompt_tokens.inc(event.usage.prompt_tokens)
             self.generation_tokens.inc(event.usage.completion_tokens)
+            self.request_prompt_tokens.observe(event.usage.prompt_tokens)
+            self.request_generation_tokens.observe(event.usage.completion_tokens)
         elif isinstance(event, RequestFailed):
-            self.failure.labels(event.code).inc()
+            self._failure.labels(self.model_name, event.code).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

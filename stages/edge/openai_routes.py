@@ -1,6 +1,8 @@
 """The edge's OpenAI-compatible routes: POST /v1/chat/completions and /v1/completions, streamed
 as SSE ending in `data: [DONE]` or answered whole. A streamed request waits for its first delta
-before answering, so a refusal (401/403/429/503) still gets its HTTP status.
+before answering, so a refusal (401/403/429/503) still gets its HTTP status. A RequestError (or
+any other exception) raised before the answer starts becomes its OpenAI error in app.py's
+middleware; the run's id is the HTTP request's id (X-Request-Id).
 """
 
 from __future__ import annotations
@@ -11,24 +13,42 @@ from typing import Any
 
 import anyio
 import msgspec
+import nats.errors
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from schemas.events import RequestFailed, RunCancelled, RunCompleted
+from schemas.events import RequestFailed, RunCancelled, RunCompleted, TextGenerated
 from stages.edge.core import Edge
-from stages.edge.errors import RequestError, error_body, error_response, failure_error
+from stages.edge.errors import (
+    RequestError,
+    as_request_error,
+    bus_error,
+    error_body,
+    error_response,
+    failure_error,
+)
 from stages.edge.keys import Caller
+from stages.edge.logprobs import Logprobs, TokenEvents, TokenText
 from stages.edge.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
+    OpenAIRequest,
     chat_chunk,
     completion_chunk,
     decode_body,
+    finish_reason,
     full_response,
     to_submit,
     usage_chunk,
 )
 from stages.edge.runwatch import RunWatch
+
+RUN_STATE_HEADER = "X-Brigade-Run-State"  # completed | cancelled (finish_reason reads "stop")
+
+
+def request_id_of(request: Request) -> str:
+    """The id the edge's middleware gave this HTTP request (its run's id, its X-Request-Id)."""
+    return request.scope["state"]["request_id"]
 
 
 def sse(body: Any) -> bytes:
@@ -62,25 +82,33 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest)
 
-    async def _serve(self, request: Request, kind: type) -> Response:
+    async def _serve(self, request: Request, kind: type[OpenAIRequest]) -> Response:
         edge = self.edge
-        try:
-            caller = edge.authenticate(request)
-            body = decode_body(await read_body(request, edge.config.max_body_bytes), kind)
-            key = request.headers.get("idempotency-key")
-            submit = to_submit(body, **({"idempotency_key": key} if key else {}))
-            watch = await edge.open_run(caller, submit)
-        except RequestError as err:
-            return error_response(err)
-        chat = kind is ChatCompletionRequest
+        rid = request_id_of(request)
+        caller = edge.authenticate(request)
+        body = decode_body(await read_body(request, edge.config.max_body_bytes), kind)
+        model = edge.served_model(caller, body.model)
+        extra: dict[str, Any] = {"request_id": rid, "model": model}
+        if key := request.headers.get("idempotency-key"):
+            extra["idempotency_key"] = key
+        submit = to_submit(body, **extra)
+        tokens = TokenEvents(edge.bus.js, rid) if body.num_logprobs is not None else None
+        watch = await edge.open_run(caller, submit, tokens)
+        run = _Run(watch, kind is ChatCompletionRequest, model, tokens, self._logprobs(body))
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await self._stream(caller, watch, chat, body.model, include_usage)
-        return await self._whole(request, caller, watch, chat, body.model)
+            return await self._stream(caller, run, include_usage)
+        return await self._whole(request, caller, run)
 
-    async def _whole(
-        self, request: Request, caller: Caller, watch: RunWatch, chat: bool, model: str
-    ) -> Response:
+    def _logprobs(self, body: OpenAIRequest) -> Logprobs | None:
+        if body.num_logprobs is None:
+            return None
+        assert self.edge.tokenizer is not None, "the edge was not started"
+        chat = isinstance(body, ChatCompletionRequest)
+        return Logprobs(TokenText(self.edge.tokenizer), chat=chat, num_top=body.num_logprobs)
+
+    async def _whole(self, request: Request, caller: Caller, run: _Run) -> Response:
+        watch = run.watch
         texts: list[str] = []
         timeout: RequestError | None = None
         async with anyio.create_task_group() as tg:
@@ -94,6 +122,7 @@ class OpenAIRoutes:
             try:
                 async for delta in self.edge.deltas(watch):
                     texts.append(delta.text)
+                    await run.logprobs_of(delta)
             except TimeoutError as err:
                 timeout = RequestError("timeout", str(err))
             finally:
@@ -104,36 +133,48 @@ class OpenAIRoutes:
                     await self.edge.left(caller, watch)
                 with anyio.CancelScope(shield=True):
                     await watch.close()
+        rid = watch.request_id
         if timeout is not None:
-            return error_response(timeout)
+            return error_response(timeout, rid)
         term = watch.terminal
         if term is None:
             return Response(status_code=499)  # the client left; nobody reads this
         if isinstance(term, RequestFailed):
-            return error_response(failure_error(term))
-        reason = term.finish_reason if isinstance(term, RunCompleted) else "cancelled"
-        body = full_response(chat, watch.request_id, _created(term), model, "".join(texts),
-                             reason, term.usage)  # fmt: skip
-        return JSONResponse(body, headers={"X-Request-Id": watch.request_id})
+            return error_response(failure_error(term), rid)
+        logprobs = run.logprobs.whole() if run.logprobs is not None else None
+        body = full_response(run.chat, rid, _created(term), run.model, "".join(texts),
+                             finish_reason(term), term.usage, logprobs)  # fmt: skip
+        headers = {"X-Request-Id": rid, RUN_STATE_HEADER: _state(term)}
+        return JSONResponse(body, headers=headers)
 
-    async def _stream(
-        self, caller: Caller, watch: RunWatch, chat: bool, model: str, include_usage: bool
-    ) -> Response:
+    async def _stream(self, caller: Caller, run: _Run, include_usage: bool) -> Response:
+        watch = run.watch
         deltas = self.edge.deltas(watch)
+        rid, model, chat = watch.request_id, run.model, run.chat
         try:
             first = await anext(deltas, None)
         except TimeoutError as err:
             await watch.close()
-            return error_response(RequestError("timeout", str(err)))
+            return error_response(RequestError("timeout", str(err)), rid)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await watch.close()
+            raise
         if first is None and isinstance(watch.terminal, RequestFailed):
             await watch.close()
-            return error_response(failure_error(watch.terminal))
-        rid, created = watch.request_id, int(time.time())
+            return error_response(failure_error(watch.terminal), rid)
+        created = int(time.time())
 
-        def chunk(text: str, reason: str | None) -> bytes:
+        def chunk(text: str, reason: str | None, logprobs: dict[str, Any] | None) -> bytes:
             if chat:
-                return sse(chat_chunk(rid, created, model, {"content": text}, reason))
-            return sse(completion_chunk(rid, created, model, text, reason))
+                delta = {"content": text} if text or reason is None else {}
+                return sse(chat_chunk(rid, created, model, delta, reason, logprobs))
+            return sse(completion_chunk(rid, created, model, text, reason, logprobs))
+
+        async def pieces(delta: TextGenerated) -> AsyncIterator[bytes]:
+            logprobs = await run.logprobs_of(delta)
+            if delta.text or logprobs is not None:
+                yield chunk(delta.text, None, logprobs)
 
         async def events() -> AsyncIterator[bytes]:
             try:
@@ -141,26 +182,24 @@ class OpenAIRoutes:
                     yield sse(
                         chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None)
                     )
-                if first is not None and first.text:
-                    yield chunk(first.text, None)
+                if first is not None:
+                    async for piece in pieces(first):
+                        yield piece
                 async for delta in deltas:
-                    if delta.text:
-                        yield chunk(delta.text, None)
+                    async for piece in pieces(delta):
+                        yield piece
                 term = watch.terminal
                 if isinstance(term, RequestFailed):
                     yield sse(error_body(failure_error(term)))
                 elif term is not None:
-                    reason = term.finish_reason if isinstance(term, RunCompleted) else "cancelled"
-                    yield (
-                        sse(chat_chunk(rid, created, model, {}, reason))
-                        if chat
-                        else chunk("", reason)
-                    )
+                    yield chunk("", finish_reason(term), None)
                     if include_usage:
                         yield sse(usage_chunk(chat, rid, created, model, term.usage))
                 yield b"data: [DONE]\n\n"
             except TimeoutError as err:
-                yield sse(error_body(RequestError("timeout", str(err))))
+                yield sse(error_body(bus_error(err) or RequestError("timeout", str(err))))
+            except nats.errors.Error as err:
+                yield sse(error_body(bus_error(err) or as_request_error(err)))
             finally:
                 with anyio.CancelScope(shield=True):
                     await self.edge.left(caller, watch)
@@ -169,6 +208,34 @@ class OpenAIRoutes:
 
         headers = {"X-Request-Id": rid, "Cache-Control": "no-cache"}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+class _Run:
+    """One run being answered: its watch, its shape, and its logprobs when asked."""
+
+    def __init__(
+        self,
+        watch: RunWatch,
+        chat: bool,
+        model: str,
+        tokens: TokenEvents | None,
+        logprobs: Logprobs | None,
+    ) -> None:
+        self.watch, self.chat, self.model = watch, chat, model
+        self.tokens, self.logprobs = tokens, logprobs
+
+    async def logprobs_of(self, delta: TextGenerated) -> dict[str, Any] | None:
+        """The logprobs of the tokens behind this text delta (None when not asked or none)."""
+        if self.logprobs is None or self.tokens is None:
+            return None
+        part = self.logprobs.add(await self.tokens.take(delta.seq))
+        if delta.stopped:
+            self.logprobs.stopped = True
+        return part
+
+
+def _state(term: RunCompleted | RunCancelled) -> str:
+    return "completed" if isinstance(term, RunCompleted) else "cancelled"
 
 
 def _created(term: RunCompleted | RunCancelled) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 
+import nats.errors
 from nats.js.errors import NotFoundError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -18,7 +19,7 @@ from schemas.events import decode_event
 from schemas.subjects import REQUEST_ID_PATTERN
 from stages.edge import realtime
 from stages.edge.core import Edge
-from stages.edge.errors import RequestError, error_response
+from stages.edge.errors import RequestError, bus_error, error_response
 from stages.edge.openai_schema import usage_body
 
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
@@ -98,8 +99,9 @@ class RunRoutes:
                 if watch.terminal is not None:
                     yield b"data: " + realtime.done(rid, watch.terminal) + b"\n\n"
                 yield b"data: [DONE]\n\n"
-            except TimeoutError as err:
-                yield b"data: " + realtime.error(RequestError("timeout", str(err)), rid) + b"\n\n"
+            except (TimeoutError, nats.errors.Error) as err:
+                found = bus_error(err) or RequestError("timeout", str(err))
+                yield b"data: " + realtime.error(found, rid) + b"\n\n"
             finally:
                 await watch.close()
 

@@ -10,11 +10,12 @@ import contextlib
 import json
 
 import anyio
+import nats.errors
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from stages.edge import realtime
 from stages.edge.core import Edge
-from stages.edge.errors import RequestError, error_response
+from stages.edge.errors import RequestError, as_request_error, bus_error, error_response
 from stages.edge.keys import Caller
 from stages.edge.realtime import ResponseCancel, ResponseCreate, ResponseResume
 from stages.edge.runwatch import RunWatch
@@ -37,16 +38,16 @@ class Session:
                 if resume is not None:  # /v1/stream?request_id=...&starting_after=...
                     try:
                         await self._on_frame(resume, tg)
-                    except RequestError as err:
-                        await self.send_error(err)
+                    except (RequestError, nats.errors.Error) as err:
+                        await self.send_error(as_request_error(err))
                 while True:
                     frame = await self._receive()
                     if frame is None:
                         break
                     try:
                         await self._on_frame(frame, tg)
-                    except RequestError as err:
-                        await self.send_error(err)
+                    except (RequestError, nats.errors.Error) as err:
+                        await self.send_error(as_request_error(err))
             finally:
                 if self.active is not None:
                     await self.edge.left(self.caller, self.active)
@@ -113,6 +114,9 @@ class Session:
                 await self.ws.send_text(realtime.delta(rid, delta.seq, delta.text).decode())
             if watch.terminal is not None:
                 await self.ws.send_text(realtime.done(rid, watch.terminal).decode())
+        except nats.errors.Error as err:  # the bus went away mid-run: say so, keep the socket
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                await self.send_error(bus_error(err) or RequestError("internal", str(err)))
         except TimeoutError as err:
             await self.edge.cancel(self.caller, rid, "timeout")
             with contextlib.suppress(WebSocketDisconnect, RuntimeError):

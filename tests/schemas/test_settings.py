@@ -126,6 +126,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_EDGE_MAX_FRAME": 1 << 20,
         "BRIGADE_EDGE_RECONNECT_GRACE_S": 15.0,
         "BRIGADE_EDGE_MAX_WAITING_TOKENS": 65536,
+        "BRIGADE_EDGE_MODEL_ALIASES": (),
         "BRIGADE_EDGE_KV_WATERMARK": 0.95,
     }
     assert {s.name: s.default for s in settings.SETTINGS} == before

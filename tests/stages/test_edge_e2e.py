@@ -29,6 +29,7 @@ from tests.stages.pipeline_harness import running_pipeline
 pytestmark = pytest.mark.anyio
 SLOW_KEY = "brg-slow-tenant-key-0000000000000"
 PROMPT = [{"role": "user", "content": "Name three colors."}]
+ALIAS = "gpt-4o"
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,11 @@ async def pipeline(tmp_path_factory):
     before = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     admission = AdmissionConfig(max_waiting_tokens=400)
+    keys = KeyRing(path, (MODEL,))
     try:
-        async with running_pipeline(data, KeyRing(path, (MODEL,)), admission=admission) as running:
+        async with running_pipeline(
+            data, keys, admission=admission, model_aliases=(ALIAS,)
+        ) as running:
             yield running
     finally:
         for name, value in before.items():
@@ -98,6 +102,105 @@ async def test_openai_sdk_streamed_and_not_agree(pipeline):
     pieces = [c.choices[0].text async for c in await client.completions.create(
         model=MODEL, prompt="The sky is", max_tokens=5, temperature=0, stream=True)]  # fmt: skip
     assert "".join(pieces) == done.choices[0].text
+
+
+async def test_logprobs_through_the_sdk_streamed_and_not(pipeline):
+    """Greedy decoding: each sampled token is its own top alternative, with the same logprob;
+    the tokens' bytes are the text; streamed and whole answers carry the same tokens."""
+    edge, _ = pipeline
+    client = _client(edge)
+    args = {"model": MODEL, "messages": PROMPT, "max_tokens": 6, "temperature": 0.0}
+    whole = await client.chat.completions.create(**args, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    assert b"".join(bytes(t.bytes) for t in content).decode() == whole.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0.0
+        assert t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+    plain = await client.chat.completions.create(**args, logprobs=True)
+    assert [t.top_logprobs for t in plain.choices[0].logprobs.content] == [[]] * 6
+    assert (await client.chat.completions.create(**args)).choices[0].logprobs is None
+
+    stream = await client.chat.completions.create(
+        **args, logprobs=True, top_logprobs=2, stream=True
+    )
+    streamed = []
+    async for chunk in stream:
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed.extend(choice.logprobs.content)
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-3)
+
+    done = await client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=5, temperature=0, logprobs=2
+    )
+    legacy = done.choices[0].logprobs
+    assert "".join(legacy.tokens) == done.choices[0].text
+    assert len(legacy.token_logprobs) == len(legacy.top_logprobs) == len(legacy.text_offset) == 5
+    assert legacy.text_offset == [sum(len(t) for t in legacy.tokens[:i]) for i in range(5)]
+    for token, top in zip(legacy.tokens, legacy.top_logprobs, strict=True):
+        assert token in top and len(top) == 2  # greedy: the sampled token is one of the top 2
+    pieces = []
+    async for chunk in await client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=5, temperature=0, logprobs=2, stream=True
+    ):
+        if chunk.choices[0].logprobs is not None:
+            pieces.extend(chunk.choices[0].logprobs.tokens)
+    assert pieces == legacy.tokens
+
+
+async def test_models_aliases_and_finish_reasons(pipeline):
+    """The alias is served by the served model and answered under its id; an unknown model is
+    a 404; finish_reason is length, stop (a stop string) and stop for a cancelled run, whose
+    state stays `cancelled` in GET /v1/runs/{id}."""
+    edge, _ = pipeline
+    client = _client(edge)
+    listed = await client.models.list()
+    assert [m.id for m in listed.data] == [MODEL, ALIAS]
+    assert {m.model_extra["max_model_len"] for m in listed.data} == {8192}
+    assert (await client.models.retrieve(ALIAS)).model_extra["root"] == MODEL
+    reply = await client.chat.completions.create(model=ALIAS, messages=PROMPT, max_tokens=2)
+    assert (reply.model, reply.choices[0].finish_reason) == (MODEL, "length")
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.chat.completions.create(model="gpt-5", messages=PROMPT, max_tokens=2)
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model=MODEL, messages=PROMPT, response_format={"type": "json_object"}
+        )
+    assert info.value.body["param"] == "response_format"
+    stopped = await client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[","]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert "," not in stopped.choices[0].text
+
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=PROMPT, max_tokens=200, stream=True
+    )
+    reasons, rid = [], None
+    auth = {"Authorization": f"Bearer {ACME_KEY}"}
+    async with websockets.connect(edge.ws_url, additional_headers=auth) as ws:
+        async for chunk in stream:
+            if rid is None:
+                rid = chunk.id.removeprefix("chatcmpl-")
+                await ws.send(json.dumps({"type": "response.cancel", "request_id": rid}))
+            reasons.extend(c.finish_reason for c in chunk.choices if c.finish_reason)
+    assert reasons == ["stop"]
+    async with httpx.AsyncClient(base_url=edge.url, headers=auth) as http:
+        deadline = time.monotonic() + 10
+        while (run := (await http.get(f"/v1/runs/{rid}")).json())["state"] != "billed":
+            assert time.monotonic() < deadline, run
+            await anyio.sleep(0.05)
+        assert run["finish_reason"] == "cancelled"
+        assert run["usage"]["completion_tokens"] < 200
+        health = await http.get("/health")
+        assert (health.status_code, health.json()["status"]) == (200, "ok")
+        tokens = (await http.post("/tokenize", json={"model": ALIAS, "messages": PROMPT})).json()
+        assert tokens["count"] == len(tokens["tokens"]) > 5
 
 
 async def test_websocket_stream_resume_and_run_state(pipeline):
@@ -351,14 +454,26 @@ async def test_no_key_in_the_log_and_metrics_filled(pipeline):
         await bus.close()
     async with httpx.AsyncClient(base_url=edge.url) as http:
         text = (await http.get("/metrics")).text
-    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-               if line and not line.startswith("#")}  # fmt: skip
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert all(f'model_name="{MODEL}"' in line for line in lines)  # every series
+    samples = {_without_model(line.split(" ")[0]): float(line.split(" ")[1]) for line in lines}
     assert samples["brigade:time_to_first_token_seconds_count"] >= 6
     assert samples["brigade:e2e_request_latency_seconds_count"] >= 5
     assert samples['brigade:request_success_total{finished_reason="length"}'] >= 4
+    assert samples['brigade:request_success_total{finished_reason="abort"}'] >= 1
     assert samples['brigade:stage_duration_seconds_count{stage="gateway"}'] >= 6
     assert samples['brigade:stage_duration_seconds_count{stage="engine"}'] >= 20
     assert samples['brigade:request_failure_total{code="rate_limited"}'] == 1
     assert 0.0 <= samples["brigade:kv_cache_usage_perc"] <= 1.0
+    assert samples["brigade:time_per_output_token_seconds_count"] >= 4
+    assert samples['brigade:time_to_first_token_seconds_bucket{le="80.0"}'] >= 6
+    assert samples["brigade:request_prompt_tokens_count"] >= 5
+    assert samples["brigade:request_generation_tokens_sum"] >= 20
     rows = ledger.usage_by_tenant(tenant="slow")
     assert [(r[0], r[1], r[2]) for r in rows] == [("slow", "completed", 1), ("slow", "failed", 1)]
+
+
+def _without_model(series: str) -> str:
+    """`name{le="1.0",model_name="m"}` -> `name{le="1.0"}`; `name{model_name="m"}` -> `name`."""
+    series = series.replace(f'model_name="{MODEL}"', "")
+    return series.replace("{,", "{").replace(",}", "}").replace("{}", "")

@@ -70,17 +70,27 @@ async def test_health_and_metrics_names(bus_config, tmp_path):
         httpx.AsyncClient(base_url=edge.url) as http,
     ):
         assert (await http.get("/healthz")).json() == {"status": "ok"}
+        r = await http.get("/health")  # live, but no engine worker pulls: not ready
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "unavailable")
+        assert "no engine durable" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "1"
         text = (await http.get("/metrics")).text
         for name in (
             "brigade:time_to_first_token_seconds_bucket",
             "brigade:inter_token_latency_seconds_bucket",
+            "brigade:time_per_output_token_seconds_bucket",
             "brigade:e2e_request_latency_seconds_bucket",
             "brigade:request_queue_time_seconds_bucket",
+            "brigade:request_prompt_tokens_bucket",
+            "brigade:request_generation_tokens_bucket",
             "brigade:num_requests_running",
             "brigade:num_requests_waiting",
             "brigade:kv_cache_usage_perc",
         ):
-            assert name in text, name
+            assert f"{name}{{" in text, name
+        series = [line for line in text.splitlines() if line and not line.startswith("#")]
+        assert series and all(f'model_name="{MODEL}"' in line for line in series)
+        assert f'time_to_first_token_seconds_bucket{{le="160.0",model_name="{MODEL}"}}' in text
 
 
 async def test_another_tenants_run_is_not_found(bus_config, tmp_path):
