@@ -81,7 +81,7 @@ def _refused(
     )
 
 
-_GRAMMAR = f"grammar-constrained decoding is {NOT_YET}"
+_GRAMMAR = "grammar-constrained decoding, not supported by the engine yet"
 PARAMS: tuple[Param, ...] = (
     # OpenAI's chat and completions parameters, as the `openai` SDK sends them
     _honoured(
@@ -198,10 +198,10 @@ PARAMS: tuple[Param, ...] = (
     ),  # fmt: skip
     _refused("prompt_logprobs", f"prompt logprobs are {NOT_YET}"),
     _refused("use_beam_search", f"beam search is {NOT_YET}", _null_or(False), "false"),
-    _refused("guided_json", _GRAMMAR),
-    _refused("guided_regex", _GRAMMAR),
-    _refused("guided_choice", _GRAMMAR),
-    _refused("guided_grammar", _GRAMMAR),
+    _refused("guided_json", f"needs {_GRAMMAR}"),
+    _refused("guided_regex", f"needs {_GRAMMAR}"),
+    _refused("guided_choice", f"needs {_GRAMMAR}"),
+    _refused("guided_grammar", f"needs {_GRAMMAR}"),
 )
 BY_ENDPOINT: dict[str, dict[str, Param]] = {
     e: {p.name: p for p in PARAMS if e in p.endpoints} for e in BOTH
@@ -245,3 +245,20 @@ def check_params(raw: dict[str, Any], endpoint: str) -> dict[str, Any]:
                 name,
             )
     return kept
+
+
+BEGIN = "<!-- params:begin: generated from stages/edge/openai_params.py -->"
+END = "<!-- params:end -->"
+_WHERE = {BOTH: "both", (CHAT,): "chat", (COMPLETIONS,): "completions"}
+
+
+def markdown_table() -> str:
+    """docs/api.md's table of every parameter, between BEGIN and END."""
+    rows = [
+        "| parameter | endpoint | status | what Brigade does |",
+        "|---|---|---|---|",
+    ]
+    for p in PARAMS:
+        status = f"refused unless {p.allowed}" if p.status == "refused" else p.status
+        rows.append(f"| `{p.name}` | {_WHERE[p.endpoints]} | {status} | {p.note} |")
+    return "\n".join([BEGIN, *rows, END])
