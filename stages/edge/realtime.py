@@ -20,7 +20,10 @@ from stages.edge.errors import RequestError
 from stages.edge.openai_schema import usage_body
 
 # Fields a client may set in `response`; identity (request_id, api_key) comes from the edge.
-CLIENT_FIELDS = frozenset(Submit.__struct_fields__) - {"request_id", "api_key", "priority"}
+# Logprobs are served on the HTTP routes only: the delta events here carry text.
+CLIENT_FIELDS = frozenset(Submit.__struct_fields__) - {
+    "request_id", "api_key", "priority", "logprobs"
+}  # fmt: skip
 
 
 class ResponseCreate(Struct, tag="response.create", tag_field="type", frozen=True):
@@ -64,7 +67,15 @@ def decode_client_event(frame: str | bytes) -> ClientEvent:
 
 def submit_of(event: ResponseCreate, **identity: Any) -> Submit:
     """The `response` object as a validated submit; unknown fields are refused by name."""
-    unknown = sorted(set(event.response) - CLIENT_FIELDS)
+    if event.response.get("logprobs") is not None:
+        raise RequestError(
+            "unsupported_parameter",
+            "logprobs are not sent on the websocket; ask POST /v1/chat/completions or "
+            "/v1/completions for them",
+            "response.logprobs",
+        )
+    fields = {k: v for k, v in event.response.items() if k != "logprobs"}
+    unknown = sorted(set(fields) - CLIENT_FIELDS)
     if unknown:
         raise RequestError(
             "invalid_request",
@@ -72,7 +83,7 @@ def submit_of(event: ResponseCreate, **identity: Any) -> Submit:
             f"response.{unknown[0]}",
         )
     try:
-        submit = msgspec.convert({**event.response, **identity}, Submit)
+        submit = msgspec.convert({**fields, **identity}, Submit)
     except msgspec.ValidationError as err:
         field = str(err).rpartition("`$.")[2].rstrip("`").split("[")[0].split(".")[0] or None
         raise RequestError("invalid_request", f"invalid response.create: {err}", field) from None
