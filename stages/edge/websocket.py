@@ -14,7 +14,7 @@ import nats.errors
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from stages.edge import realtime
-from stages.edge.core import Edge
+from stages.edge.core import Edge, new_request_id
 from stages.edge.errors import RequestError, as_request_error, bus_error, error_response
 from stages.edge.keys import Caller
 from stages.edge.realtime import ResponseCancel, ResponseCreate, ResponseResume
@@ -134,7 +134,7 @@ async def stream_socket(edge: Edge, ws: WebSocket) -> None:
     try:
         caller = edge.authenticate(ws)
     except RequestError as err:
-        await ws.send_denial_response(error_response(err))
+        await ws.send_denial_response(error_response(err, new_request_id()))
         return
     await ws.accept()
     query = ws.query_params

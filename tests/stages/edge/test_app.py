@@ -139,6 +139,8 @@ async def test_websocket_refuses_bad_keys_and_frames(bus_config, tmp_path):
                 pass
         assert info.value.response.status_code == 401
         assert b"nope" not in info.value.response.body
+        assert len(info.value.response.headers["X-Request-Id"]) == 32
+        assert json.loads(info.value.response.body)["error"]["code"] == "unauthorized"
 
         async with websockets.connect(edge.ws_url, additional_headers=_auth(ACME_KEY)) as ws:
             await ws.send("{not json")
