@@ -191,7 +191,7 @@ class StageWorker:
         self._in_flight: dict[int, Held] = {}  # every input delivered and not settled yet
         self._backlog: deque[Held] = deque()  # delivered to a service, not admitted yet
         self._changed = anyio.Event()  # a delivery, a settle or room_changed: re-check capacity
-        self._settled = anyio.Event()
+        self._settled = anyio.Event()  # an input settled, or the service ended
         self._async_handler = inspect.iscoroutinefunction(spec.handle)
         self.log = logging.getLogger(f"brigade.{spec.name}")
 
@@ -461,6 +461,7 @@ class StageWorker:
         finally:
             done.set()
             halt.set()  # a service that ends ends its worker, even before `stop`
+            self._settled.set()
 
     async def run(self, stop: anyio.Event, ready: anyio.Event | None = None) -> None:
         """Serve until `stop` is set; then take no new input, let what is held finish for
@@ -493,8 +494,7 @@ class StageWorker:
                 with anyio.move_on_after(self.spec.drain_s):
                     while self._in_flight or not service_done.is_set():
                         self._settled = anyio.Event()
-                        with anyio.move_on_after(0.05):  # the service may end without a settle
-                            await self._settled.wait()
+                        await self._settled.wait()
                 work.cancel_scope.cancel()
             side.cancel_scope.cancel()
         for held in list(self._in_flight.values()):  # past the drain: another worker takes it
