@@ -137,7 +137,9 @@ class Edge:
         return config.model
 
     async def engine_ready(self) -> tuple[bool, str]:
-        """Whether an engine worker is pulling from its durable now (a waiting pull request)."""
+        """Whether an engine worker serves its durable now: a waiting pull request, or work
+        delivered and not yet acked (a full engine asks for no more; a dead one's deliveries
+        count until their ack wait ends)."""
         if not self.bus.nc.is_connected:
             return False, "the edge is not connected to NATS"
         durable = subjects.durable_name("engine")
@@ -148,6 +150,8 @@ class Edge:
                 return False, f"no engine durable {durable!r} yet: no engine worker has started"
             if info.num_waiting:
                 return True, f"{info.num_waiting} engine pull request(s) waiting"
+            if info.num_ack_pending:
+                return True, f"an engine worker holds {info.num_ack_pending} request(s)"
             if attempt < 2:
                 await anyio.sleep(0.1)
         return False, f"no engine worker is pulling from {durable!r}"

@@ -1,5 +1,5 @@
 """The served model's routes, as vLLM answers them: GET /v1/models and /v1/models/{id} (with
-`max_model_len`), GET /health (200 only while an engine worker pulls work), GET /version, and
+`max_model_len`), GET /health (200 only while an engine worker serves), GET /version, and
 POST /tokenize and /detokenize with the served tokenizer and chat template, exactly as the
 tokenize stage encodes a prompt (no special tokens added; the template writes its own).
 """

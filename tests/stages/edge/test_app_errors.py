@@ -143,3 +143,25 @@ async def test_tokenize_and_detokenize_as_vllm_answers(tmp_path):
         _is_openai_error(r, 400, "invalid_request")
         r = await http.get("/version")
         assert r.json()["version"]
+
+
+class _Consumer:
+    def __init__(self, num_waiting: int, num_ack_pending: int) -> None:
+        self.num_waiting, self.num_ack_pending = num_waiting, num_ack_pending
+
+
+@pytest.mark.parametrize(("waiting", "pending", "status"), [(0, 0, 503), (1, 0, 200), (0, 2, 200)])
+async def test_health_follows_the_engine_durable(tmp_path, waiting, pending, status):
+    edge = Edge(_Bus(RuntimeError("unused")), EdgeConfig(model=MODEL), keyring_for_tests(tmp_path))
+    asked = []
+
+    async def consumer_info(stream, durable):
+        asked.append((stream, durable))
+        return _Consumer(waiting, pending)
+
+    edge.bus.js.consumer_info = consumer_info
+    transport = httpx.ASGITransport(app=build_app(edge))
+    async with httpx.AsyncClient(transport=transport, base_url="http://edge") as http:
+        r = await http.get("/health")
+    assert r.status_code == status
+    assert asked[0] == ("BRIGADE_EVENTS", "brigade-engine")
