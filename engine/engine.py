@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import time
 from dataclasses import dataclass
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.errors import RequestRejected
+from engine.grammar import GrammarCache
 from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -83,6 +85,7 @@ class EngineStats:
     num_prefix_hits: int = 0  # of those, tokens whose cached K/V were reused
     num_draft_tokens: int = 0  # speculative tokens verified
     num_accepted_draft_tokens: int = 0  # of those, tokens the model agreed with
+    grammar_s: float = 0.0  # time spent computing grammar masks and advancing their matchers
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,8 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}
         self._aborted: list[StepOutput] = []  # reported by the next step()
         self._arrivals = itertools.count()
+        self._grammars: GrammarCache | None = None  # built with the first constrained request
+        self._grammar_ns = 0
 
     def add_request(
         self,
@@ -186,6 +191,9 @@ class Engine:
                 f"{self.block_manager.num_blocks}; raise kv_cache_memory_bytes or num_kv_blocks",
                 field="prompt_token_ids",
             )
+        grammar = None
+        if params.constraint is not None:  # RequestRejected naming the problem if invalid
+            grammar = self.grammars.matcher(params.constraint)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(
             request_id,
@@ -195,6 +203,7 @@ class Engine:
             arrival=next(self._arrivals),
             priority=priority,
             cache_domain=cache_domain,
+            grammar=grammar,
         )
         self._seqs[request_id] = seq
         self._generators[request_id] = torch.Generator(self.device).manual_seed(seed)
@@ -211,6 +220,8 @@ class Engine:
             max_rows=self.config.speculative_max_rows,
             max_model_len=self.max_model_len,
         )
+        # a constrained request gets no draft: its verification would need a mask per row
+        drafts = {rid: d for rid, d in drafts.items() if self._seqs[rid].grammar is None}
         batch = self.scheduler.schedule(drafts)
         if batch.is_empty:
             return outputs
@@ -218,12 +229,45 @@ class Engine:
         token_ids, logprobs = [], None
         if logits is not None:
             chunks = [s for s in batch.scheduled if s.samples]
-            requests = [self._sampling_request(s.seq) for s in chunks]
+            masks = self._grammar_masks([s.seq for s in chunks])
+            requests = [self._sampling_request(s.seq, masks.get(s.seq)) for s in chunks]
             token_ids, logprobs = sample_and_verify(logits, [s.draft for s in chunks], requests)
         updated = self.scheduler.update(batch, token_ids, logprobs, self.model_config.eos_token_id)
+        self._follow_grammars([seq for seq, _ in updated])
         return outputs + [self._emit(seq, n) for seq, n in updated]
 
-    def _sampling_request(self, seq: Sequence) -> SamplingRequest:
+    @property
+    def grammars(self) -> GrammarCache:
+        """The model's compiled grammars (its vocabulary for llguidance is built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size)
+        return self._grammars
+
+    def _grammar_masks(self, seqs: list[Sequence]) -> dict[Sequence, torch.Tensor]:
+        """The next-token bitmask row of each constrained sequence about to sample."""
+        constrained = [seq for seq in seqs if seq.grammar is not None]
+        if not constrained:
+            return {}
+        start = time.perf_counter_ns()
+        bitmask = torch.from_numpy(self.grammars.fill_masks([seq.grammar for seq in constrained]))
+        self._grammar_ns += time.perf_counter_ns() - start
+        return dict(zip(constrained, bitmask, strict=True))
+
+    def _follow_grammars(self, seqs: list[Sequence]) -> None:
+        """Advance the matchers past the tokens just received; a request whose output is a
+        complete match ends here ("stop"): nothing but eos could follow."""
+        start = time.perf_counter_ns()
+        for seq in seqs:
+            if seq.grammar is None or seq.is_finished:
+                continue
+            seq.grammar.follow(seq.output_token_ids)
+            if seq.grammar.is_complete:
+                self.scheduler.finish(seq, "stop")
+        self._grammar_ns += time.perf_counter_ns() - start
+
+    def _sampling_request(
+        self, seq: Sequence, token_bitmask: torch.Tensor | None = None
+    ) -> SamplingRequest:
         p = seq.params
         stop_ids: tuple[int, ...] = ()
         if seq.num_output_tokens < p.min_tokens:
@@ -236,6 +280,7 @@ class Engine:
             output_token_ids=seq.output_token_ids if penalized else [],
             generator=self._generators[seq.request_id],
             stop_ids_while_short=stop_ids,
+            token_bitmask=token_bitmask,
         )
 
     def _emit(self, seq: Sequence, num_new: int) -> StepOutput:
@@ -293,4 +338,5 @@ class Engine:
             num_prefix_hits=self.scheduler.num_prefix_hits,
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_accepted_draft_tokens=self.scheduler.num_accepted_draft_tokens,
+            grammar_s=self._grammar_ns / 1e9,
         )

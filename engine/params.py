@@ -1,16 +1,22 @@
 """SamplingParams: how one request turns logits into tokens, validated when built.
 
 Every invalid value raises RequestRejected (a ValueError) with the field, the value and the
-allowed range.
+allowed range. A `Constraint` (structured output) is checked for its form here; whether its
+schema, regex or grammar compiles is checked by the engine at add_request (engine/grammar.py).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Literal
 
 from engine.errors import RequestRejected
 
 MAX_LOGPROBS = 20
+
+ConstraintKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+CONSTRAINT_KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
 def _check(ok: bool, field: str, value: object, allowed: str) -> None:
@@ -20,6 +26,66 @@ def _check(ok: bool, field: str, value: object, allowed: str) -> None:
             f"SamplingParams.{field}={value!r} is invalid; allowed: {allowed}",
             field=field,
         )
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match: any JSON object, a JSON schema, a regex, one of a list of
+    strings, or a grammar (Lark or GBNF). `spec` is text: the schema as JSON, the regex, the
+    choices as a JSON list of strings, the grammar. A JSON spec is stored without whitespace,
+    so equal schemas share one compiled grammar; its key order is kept (the order of a schema's
+    properties is the order they are generated in)."""
+
+    kind: ConstraintKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in CONSTRAINT_KINDS, "constraint.kind", self.kind, str(CONSTRAINT_KINDS))
+        _check(isinstance(self.spec, str), "constraint.spec", self.spec, "a str")
+        if self.kind == "json_object":
+            _check(self.spec == "", "constraint.spec", self.spec, "'' for json_object")
+        elif self.kind in ("json_schema", "choice"):
+            try:
+                value = json.loads(self.spec)
+            except ValueError as err:
+                raise RequestRejected(
+                    "invalid_request",
+                    f"SamplingParams.constraint.spec is not valid JSON for {self.kind}: {err}",
+                    field="constraint.spec",
+                ) from None
+            if self.kind == "json_schema":
+                _check(
+                    isinstance(value, dict | bool),
+                    "constraint.spec",
+                    self.spec[:80],
+                    "a JSON schema (an object or a boolean)",
+                )
+            else:
+                _check(
+                    isinstance(value, list)
+                    and len(value) > 0
+                    and all(isinstance(c, str) and c for c in value),
+                    "constraint.spec",
+                    self.spec[:80],
+                    "a non-empty JSON list of non-empty strings",
+                )
+            canonical = json.dumps(value, separators=(",", ":"))
+            object.__setattr__(self, "spec", canonical)
+        else:
+            _check(bool(self.spec), "constraint.spec", self.spec, f"a non-empty {self.kind}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool | str) -> Constraint:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def choice(cls, choices: list[str] | tuple[str, ...]) -> Constraint:
+        return cls("choice", json.dumps(list(choices)))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The cache key of its compiled grammar."""
+        return (self.kind, self.spec)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +103,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (the sampled one first)
+    # structured output: only tokens that keep the output a prefix of a match are sampled, and
+    # the request ends when the match is complete (engine/grammar.py)
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
@@ -98,6 +167,17 @@ class SamplingParams:
             self.logprobs,
             f"None or an integer in [0, {MAX_LOGPROBS}]",
         )
+        _check(
+            self.constraint is None or isinstance(self.constraint, Constraint),
+            "constraint",
+            self.constraint,
+            "None or a Constraint",
+        )
+        if self.constraint is not None:
+            # the grammar decides where the output ends: eos is allowed exactly when it is
+            # complete, so neither a floor on its length nor ignoring eos can be honoured
+            _check(self.min_tokens == 0, "min_tokens", self.min_tokens, "0 with a constraint")
+            _check(not self.ignore_eos, "ignore_eos", self.ignore_eos, "False with a constraint")
 
     @property
     def greedy(self) -> bool:

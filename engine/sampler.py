@@ -1,14 +1,16 @@
 """Sampling as plain functions over a batch of logits, each row with its own parameters.
 
-Order: penalties -> min_tokens mask -> (greedy rows: argmax) -> temperature -> top-k -> top-p
--> min-p -> one draw per row from the row's own seeded generator. Filters whose parameters are
-neutral for the whole batch are skipped, so plain greedy or plain temperature costs one pass.
+Order: penalties -> min_tokens mask -> grammar mask (constrained rows only) -> (greedy rows:
+argmax) -> temperature -> top-k -> top-p -> min-p -> one draw per row from the row's own seeded
+generator. Filters whose parameters are neutral for the whole batch are skipped, so plain greedy
+or plain temperature costs one pass.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,6 +26,9 @@ class SamplingRequest:
     output_token_ids: list[int]
     generator: torch.Generator | None  # None only for greedy rows
     stop_ids_while_short: tuple[int, ...]  # eos/stop ids to mask while below min_tokens
+    # constrained requests: [ceil(vocab / 32)] int32, bit t % 32 of word t // 32 set when token
+    # t may come next (engine/grammar.py)
+    token_bitmask: Tensor | None = None
 
 
 def apply_penalties(
@@ -52,6 +57,40 @@ def apply_penalties(
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
     return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
+
+
+def disallowed_tokens(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """[m, words] int32 bitmask (bit t % 32 of word t // 32: token t allowed) -> [m, vocab_size]
+    bool, True where the token is not allowed."""
+    if bitmask.device.type == "cpu":
+        return _unpack_with_numpy(bitmask, vocab_size)
+    return _unpack_with_shifts(bitmask, vocab_size)
+
+
+def _unpack_with_numpy(bitmask: Tensor, vocab_size: int) -> Tensor:
+    packed = np.invert(bitmask.numpy()).view(np.uint8)  # little-endian bytes: token order
+    bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab_size]  # one pass
+    return torch.from_numpy(bits).view(torch.bool)
+
+
+def _unpack_with_shifts(bitmask: Tensor, vocab_size: int) -> Tensor:
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask[:, :, None] >> shifts) & 1  # [m, words, 32]
+    return (allowed == 0).reshape(bitmask.shape[0], -1)[:, :vocab_size]
+
+
+def apply_token_bitmask_(logits: Tensor, rows: list[int], bitmask: Tensor) -> None:
+    """In place: in each of `rows` of `logits` [n, vocab], the tokens `bitmask` [len(rows),
+    words] does not allow get -inf. Every other row, and every allowed logit, is left as it was
+    (in place because a fresh [n, vocab] tensor costs more than the mask)."""
+    n, vocab = logits.shape
+    disallowed = disallowed_tokens(bitmask, vocab).to(logits.device)  # [m, vocab]
+    with torch.inference_mode():  # the model's logits are inference tensors
+        if rows == list(range(n)):
+            logits.masked_fill_(disallowed, float("-inf"))
+            return
+        for k, row in enumerate(rows):
+            logits[row].masked_fill_(disallowed[k], float("-inf"))
 
 
 def apply_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
@@ -171,7 +210,9 @@ def sample(
     """Sample one token per row of `logits` [n, vocab] (float32) with each row's own params.
 
     Returns the token ids and, when any request asked for them, per-row logprobs computed
-    from the model's raw distribution (before penalties, temperature and filters).
+    from the model's raw distribution (before penalties, grammar masks, temperature and
+    filters). The constrained rows of `logits` may be overwritten (masked) when no logprobs
+    are asked for: the caller must not read them afterwards.
     """
     raw = logits
     dev = logits.device
@@ -186,6 +227,12 @@ def sample(
         for i, r in enumerate(requests):
             if r.stop_ids_while_short:
                 logits[i, list(r.stop_ids_while_short)] = float("-inf")
+    constrained = [i for i, r in enumerate(requests) if r.token_bitmask is not None]
+    if constrained:
+        if logits is raw and any(p.logprobs is not None for p in params):
+            logits = logits.clone()  # the raw rows are read again for logprobs
+        bitmask = torch.stack([requests[i].token_bitmask for i in constrained])
+        apply_token_bitmask_(logits, constrained, bitmask)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     all_random = len(random_rows) == len(params)
     # [n]; the answer for greedy rows

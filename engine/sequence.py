@@ -3,15 +3,21 @@
 Invariant: 0 <= num_computed_tokens <= len(token_ids), and the block table holds enough blocks
 for the computed tokens. There is no prefill or decode phase: a step computes some of the
 tokens that have no KV yet, and a token is sampled once every token has been computed.
+A constrained request's grammar matcher is part of its state: it has accepted exactly the
+output tokens (engine/grammar.py), so it survives preemption (the tokens are kept) unchanged.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.errors import RequestRejected
 from engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import Matcher
 
 
 class SequenceStatus(enum.Enum):
@@ -38,6 +44,7 @@ class Sequence:
     cache_domain: str = ""  # prefix-cache domain (a tenant): only its own prefixes match
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain, full blocks
     num_offered_blocks: int = 0  # leading full blocks already offered to the prefix cache
+    grammar: Matcher | None = None  # with params.constraint: where the output is in its grammar
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
