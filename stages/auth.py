@@ -18,7 +18,8 @@ from schemas.events import (
     RequestFailed,
     decoder_for,
 )
-from stages.runtime.worker import StageContext, StageError, StageSpec
+from stages.runtime.failures import StageError
+from stages.runtime.spec import StageContext, StageSpec
 from stages.tenancy import idempotency, ratelimit, tenants
 
 STAGE = "auth"

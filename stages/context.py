@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from schemas import settings
 from schemas.events import Event, RequestAuthorized, decoder_for
 from stages.fit import Costs, assembled, budget_for, fit, fit_raw_prompt
-from stages.runtime.worker import StageContext, StageSpec
+from stages.runtime.spec import StageContext, StageSpec
 from stages.summarize import Summarizer
 from stages.tokenize import served_model, tokenizer_for
 

@@ -20,7 +20,7 @@ from schemas.events import (
     decoder_for,
 )
 from stages.runtime import worker as runtime
-from stages.runtime.worker import StageSpec
+from stages.runtime.spec import StageSpec
 
 STAGE = "detokenize"
 INPUTS = ("tokens", "finished")

@@ -38,8 +38,9 @@ from stages.engine_params import (
     sampling_params,
 )
 from stages.runtime.cpu_priority import CpuPriority, LowPriorityThreads
+from stages.runtime.failures import StageError
 from stages.runtime.service import Held, Service
-from stages.runtime.worker import StageContext, StageError, StageSpec
+from stages.runtime.spec import StageContext, StageSpec
 
 STAGE = "engine"
 SWITCH_INTERVAL_S = 0.0005  # Python's default is 0.005: up to 5 ms before the loop gets the GIL

@@ -10,7 +10,7 @@ from typing import Any
 from engine.errors import RequestRejected
 from schemas import settings
 from schemas.events import Sampling
-from stages.runtime.worker import StageError
+from stages.runtime.failures import StageError
 
 
 @dataclass(frozen=True, kw_only=True)

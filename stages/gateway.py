@@ -23,7 +23,8 @@ from schemas.events import (
     SubmitReply,
     encode,
 )
-from stages.runtime.worker import StageError, StageSpec, error_field, new_request_id, read_envelope
+from stages.runtime.failures import StageError, error_field, new_request_id, read_envelope
+from stages.runtime.spec import StageSpec
 from stages.tenancy.tenants import hash_key
 
 STAGE = "gateway"

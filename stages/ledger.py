@@ -31,7 +31,7 @@ from schemas.events import (
     decoder_for,
 )
 from stages.runtime import natsd
-from stages.runtime.worker import StageContext, StageSpec
+from stages.runtime.spec import StageContext, StageSpec
 from stages.tenancy import idempotency, ratelimit
 
 STAGE = "ledger"

@@ -26,7 +26,8 @@ from schemas.events import (
     TextGenerated,
 )
 from stages.fit import SUMMARY_HEADER, assembled, fit
-from stages.runtime.worker import StageContext, StageError
+from stages.runtime.failures import StageError
+from stages.runtime.spec import StageContext
 
 INSTRUCTION = (
     "Summarize the conversation below in a few sentences. Keep names, numbers, facts and "

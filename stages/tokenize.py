@@ -9,7 +9,8 @@ import functools
 from engine.tokenizer import Tokenizer, load_tokenizer
 from schemas import settings
 from schemas.events import ContextAssembled, Event, PromptTokenized, Request, decoder_for
-from stages.runtime.worker import StageContext, StageError, StageSpec
+from stages.runtime.failures import StageError
+from stages.runtime.spec import StageContext, StageSpec
 
 STAGE = "tokenize"
 

@@ -33,7 +33,8 @@ from schemas.events import AnyEvent, Event, decode_event
 from stages.runtime import natsd
 from stages.runtime.bus import MSG_ID_HEADER, Bus, BusConfig
 from stages.runtime.service import Held
-from stages.runtime.worker import StageSpec, StageWorker
+from stages.runtime.spec import StageSpec
+from stages.runtime.worker import StageWorker
 
 log = logging.getLogger("brigade.fakebus")
 EXPECTED_LAST_SUBJECT_SEQ = api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value

@@ -32,7 +32,8 @@ from schemas.events import (
 )
 from stages.runtime import natsd
 from stages.runtime.bus import Bus
-from stages.runtime.worker import StageError, StageSpec
+from stages.runtime.failures import StageError
+from stages.runtime.spec import StageSpec
 from tests.fakebus import FakeBus, FakeServer, deliver, stage_worker, subject_matches
 
 pytestmark = pytest.mark.anyio

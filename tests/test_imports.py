@@ -215,7 +215,7 @@ def test_every_module_has_a_layer_and_the_reader_resolves_each_form(project) -> 
     for m in modules:
         layer_of(m)
     seen = {(i.source, i.target) for i in imports}
-    assert ("stages.gateway", "stages.runtime.worker") in seen  # from a.b import name
+    assert ("stages.gateway", "stages.runtime.spec") in seen  # from a.b import name
     assert ("stages.edge.runs", "stages.edge.realtime") in seen  # from a.b import submodule
     assert ("tools.bench.load", "tools.bench.capacity") in seen  # inside a function
 

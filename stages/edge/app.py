@@ -26,7 +26,7 @@ from stages.edge.websocket import stream_socket
 from stages.runtime import worker as runtime
 from stages.runtime.bus import Bus
 from stages.runtime.service import Service
-from stages.runtime.worker import StageContext, StageSpec
+from stages.runtime.spec import StageContext, StageSpec
 
 
 def build_app(edge: Edge) -> Starlette:

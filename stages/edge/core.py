@@ -34,7 +34,7 @@ from stages.edge.metrics import EdgeMetrics
 from stages.edge.runwatch import RunWatch
 from stages.eventlog.runstate import RunStates
 from stages.runtime.bus import MSG_ID_HEADER, Bus
-from stages.runtime.worker import StageError
+from stages.runtime.failures import StageError
 from stages.tenancy.idempotency import Claim, IdempotencyConflict, IdempotencyStore, request_hash
 from stages.tenancy.ratelimit import estimate_prompt_tokens
 from stages.tokenize import tokenizer_for

@@ -25,7 +25,7 @@ from schemas.logrows import default_archive_dir, row_from_message
 from stages.eventlog.parquet import ParquetLog
 from stages.runtime.bus import Bus
 from stages.runtime.service import Service
-from stages.runtime.worker import StageContext, StageSpec
+from stages.runtime.spec import StageContext, StageSpec
 
 log = logging.getLogger("brigade.archiver")
 DURABLE = subjects.durable_name("archiver")

@@ -27,7 +27,7 @@ from schemas.events import (
     TokensGenerated,
     Usage,
 )
-from stages.runtime.worker import StageContext, StageSpec
+from stages.runtime.spec import StageContext, StageSpec
 
 State = Literal["queued", "prefill", "streaming", "completed", "failed", "cancelled", "billed"]
 TERMINAL: frozenset[State] = frozenset({"completed", "failed", "cancelled"})

@@ -137,7 +137,7 @@ class IdempotencyStore:
 
 async def claim_authorized(store: IdempotencyStore, event: RequestAuthorized) -> bool:
     """Auth's check; True when the run holds a key. Raises StageError for a reused key."""
-    from stages.runtime.worker import StageError
+    from stages.runtime.failures import StageError
 
     key = event.request.idempotency_key
     if key is None or event.tenant is None:

@@ -215,7 +215,7 @@ def limits_of(tenant) -> Limits:
 
 async def admit_authorized(limiter: RateLimiter, event, tenant) -> None:
     """Auth's check for a `RequestAuthorized` of `tenant`; raises StageError when refused."""
-    from stages.runtime.worker import StageError
+    from stages.runtime.failures import StageError
 
     limits = limits_of(tenant)
     if limits.unlimited:

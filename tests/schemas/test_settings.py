@@ -140,7 +140,7 @@ def test_the_defaults_agree_with_the_configs_they_fill():
     from stages.edge.admission import AdmissionConfig
     from stages.edge.core import EdgeConfig
     from stages.runtime.bus import BusConfig
-    from stages.runtime.worker import StageSpec
+    from stages.runtime.spec import StageSpec
 
     engine = EngineConfig()
     assert (engine.model, engine.dtype, engine.device) == (

@@ -12,7 +12,7 @@ import pytest
 from schemas import settings
 from schemas.events import Message, Request, RequestAccepted, Sampling
 from stages import auth
-from stages.runtime.worker import StageError
+from stages.runtime.failures import StageError
 from stages.tenancy import tenants
 
 

@@ -12,7 +12,7 @@ from stages.engine_params import (
     engine_config_from_env,
     sampling_params,
 )
-from stages.runtime.worker import StageError
+from stages.runtime.failures import StageError
 
 
 def test_admission_room_counts_reserved_blocks_and_bounds():

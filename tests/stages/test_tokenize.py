@@ -6,7 +6,7 @@ import pytest
 
 from schemas.events import ContextAssembled, Message, Request, Sampling
 from stages import tokenize
-from stages.runtime.worker import StageError
+from stages.runtime.failures import StageError
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from stages.edge.openai_schema import (
     full_response,
     to_submit,
 )
-from stages.runtime.worker import StageError
+from stages.runtime.failures import StageError
 
 KINDS = {CHAT: ChatCompletionRequest, COMPLETIONS: CompletionRequest}
 BASE = {

@@ -23,8 +23,10 @@ from schemas.events import (
     decoder_for,
 )
 from stages.runtime.bus import Bus, BusConfig
+from stages.runtime.failures import StageError
 from stages.runtime.service import Held, Service
-from stages.runtime.worker import StageError, StageSpec, StageWorker, serve
+from stages.runtime.spec import StageSpec
+from stages.runtime.worker import StageWorker, serve
 from tools.stage_procs import connected
 
 pytestmark = pytest.mark.anyio
