@@ -84,7 +84,7 @@ class _Vocabulary:
 
 
 def grammar_text(constraint: Constraint) -> str:
-    """The llguidance grammar of a constraint (not yet checked: `GrammarCache.compile` does)."""
+    """The llguidance grammar of a constraint, not yet checked (`check` does)."""
     kind, spec = constraint.kind, constraint.spec
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type":"object"}', JSON_OPTIONS)
@@ -99,6 +99,17 @@ def grammar_text(constraint: Constraint) -> str:
         return llguidance.grammar_from("grammar", spec)
     except ValueError as err:
         raise _rejected(constraint, str(err)) from None
+
+
+def check(constraint: Constraint, lltokenizer: llguidance.LLTokenizer | None = None) -> str:
+    """The llguidance grammar of `constraint`, checked; RequestRejected naming the problem when
+    its schema, regex or grammar is invalid or uses what llguidance does not support. Without a
+    vocabulary (the gateway, before a request is accepted) only the grammar itself is checked."""
+    grammar = grammar_text(constraint)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lltokenizer)
+    if is_error:
+        raise _rejected(constraint, "; ".join(messages))
+    return grammar
 
 
 def _rejected(constraint: Constraint, problem: str) -> RequestRejected:
@@ -126,20 +137,15 @@ class GrammarCache:
         self.num_compiled = 0  # grammars compiled (cache misses)
 
     def compile(self, constraint: Constraint) -> llguidance.LLMatcher:
-        """The start-state matcher of `constraint`; RequestRejected naming the problem when its
-        schema, regex or grammar is invalid or uses what llguidance does not support."""
+        """The start-state matcher of `constraint`; RequestRejected as `check`."""
         key = constraint.key
         found = self._compiled.get(key)
         if found is not None:
             self._compiled.move_to_end(key)
             return found
-        grammar = grammar_text(constraint)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.lltokenizer
+        matcher = llguidance.LLMatcher(
+            self.lltokenizer, check(constraint, self.lltokenizer), log_level=0
         )
-        if is_error:
-            raise _rejected(constraint, "; ".join(messages))
-        matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise _rejected(constraint, matcher.get_error())
         self.num_compiled += 1
@@ -191,7 +197,3 @@ class Matcher:
     def is_complete(self) -> bool:
         """Nothing but eos may follow: the output is a whole match and cannot grow."""
         return self.llmatcher.is_stopped()
-
-    def allows(self, token_id: int) -> bool:
-        """Whether `token_id` may come next (one check, no mask: for tests and assertions)."""
-        return self.llmatcher.validate_tokens([token_id]) == 1

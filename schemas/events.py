@@ -7,7 +7,7 @@ clock). New fields get defaults; a field's type never changes.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -35,6 +35,33 @@ class Document(Struct, frozen=True, kw_only=True, omit_defaults=True):
     title: str | None = None
 
 
+MAX_CONSTRAINT_CHARS = 100_000  # a regex or grammar
+MAX_CHOICES = 256
+
+
+class JsonSchemaFormat(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """OpenAI's response_format.json_schema: the schema the output must validate against."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64)] = "response"
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None  # enforced either way
+    description: str | None = None
+
+
+class ResponseFormat(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """OpenAI's response_format: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+ChoiceList = Annotated[
+    list[Annotated[str, Meta(min_length=1, max_length=1024)]],
+    Meta(min_length=1, max_length=MAX_CHOICES),
+]
+ConstraintText = Annotated[str, Meta(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
+
+
 class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Sampling parameters on the wire; the engine stage turns them into engine.SamplingParams."""
 
@@ -54,6 +81,14 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     ignore_eos: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # structured output, at most one (the gateway checks): OpenAI's response_format, or vLLM's
+    # guided_json (a schema, as an object or its JSON text), guided_regex, guided_choice (the
+    # output is one of the strings), guided_grammar (Lark or GBNF)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: ConstraintText | None = None
+    guided_choice: ChoiceList | None = None
+    guided_grammar: ConstraintText | None = None
 
 
 class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -89,6 +124,14 @@ class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     ignore_eos: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # structured output, at most one (the gateway checks): OpenAI's response_format, or vLLM's
+    # guided_json (a schema, as an object or its JSON text), guided_regex, guided_choice (the
+    # output is one of the strings), guided_grammar (Lark or GBNF)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: ConstraintText | None = None
+    guided_choice: ChoiceList | None = None
+    guided_grammar: ConstraintText | None = None
 
 
 class SubmitReply(Struct, frozen=True, kw_only=True, omit_defaults=True):

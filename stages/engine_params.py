@@ -69,9 +69,56 @@ def sampling_params(sampling: Sampling, request_id: str) -> Any:
             stop_token_ids=tuple(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,
             logprobs=sampling.logprobs,
+            constraint=constraint(sampling),
         )
     except RequestRejected as err:
         raise rejected(err) from err
+
+
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")  # fmt: skip
+
+
+def constraint(sampling: Sampling) -> Any:
+    """The engine Constraint of the wire's structured-output fields (None: free text).
+    RequestRejected naming the field when more than one is given or one is malformed; whether
+    it compiles is engine.grammar.check's (the gateway's) and add_request's to say."""
+    from engine.params import Constraint
+
+    given = [name for name in CONSTRAINT_FIELDS if getattr(sampling, name) is not None]
+    fmt = sampling.response_format
+    if fmt is not None and fmt.type == "text":
+        given.remove("response_format")
+    if len(given) > 1:
+        raise RequestRejected(
+            "invalid_request",
+            f"give at most one structured-output field; got {', '.join(given)}",
+            field=given[1],
+        )
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+        raise RequestRejected(
+            "invalid_request",
+            'response_format type "json_schema" needs json_schema: {"name", "schema"}',
+            field="response_format.json_schema",
+        )
+    try:
+        if fmt is not None and fmt.type == "json_object":
+            return Constraint("json_object")
+        if fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.schema
+            return Constraint("json_object") if schema is None else Constraint.json_schema(schema)
+        if sampling.guided_json is not None:
+            return Constraint.json_schema(sampling.guided_json)
+        if sampling.guided_regex is not None:
+            return Constraint("regex", sampling.guided_regex)
+        if sampling.guided_choice is not None:
+            return Constraint.choice(sampling.guided_choice)
+        if sampling.guided_grammar is not None:
+            return Constraint("grammar", sampling.guided_grammar)
+    except RequestRejected as err:  # "SamplingParams.constraint.spec is not valid JSON ..."
+        field = "response_format.json_schema" if given == ["response_format"] else given[0]
+        raise RequestRejected(err.code, f"{field}: {err.message}", field=field) from err
+    return None
 
 
 def rejected(err: RequestRejected) -> StageError:

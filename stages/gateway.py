@@ -23,6 +23,7 @@ from schemas.events import (
     SubmitReply,
     encode,
 )
+from stages.engine_params import CONSTRAINT_FIELDS, constraint
 from stages.runtime.failures import StageError, error_field, new_request_id, read_envelope
 from stages.runtime.spec import StageSpec
 from stages.tenancy.tenants import hash_key
@@ -75,6 +76,8 @@ def normalize(submit: Submit, *, limit_chars: int) -> Request:
             f"the submit holds {num_chars} characters of text; the limit is {limit_chars} "
             f"({settings.MAX_SUBMIT_CHARS.name})",
         )
+    sampling = Sampling(**{name: getattr(submit, name) for name in SAMPLING_FIELDS})
+    check_constraint(sampling)
     return Request(
         messages=messages,
         raw_prompt=submit.prompt is not None,
@@ -84,8 +87,24 @@ def normalize(submit: Submit, *, limit_chars: int) -> Request:
         truncation=submit.truncation,
         priority=submit.priority,
         idempotency_key=submit.idempotency_key,
-        sampling=Sampling(**{name: getattr(submit, name) for name in SAMPLING_FIELDS}),
+        sampling=sampling,
     )
+
+
+def check_constraint(sampling: Sampling) -> None:
+    """A structured-output field that can never compile (a bad schema, regex or grammar) fails
+    here, before the request is accepted, naming the field and the problem."""
+    if all(getattr(sampling, name) is None for name in CONSTRAINT_FIELDS):
+        return
+    from engine.errors import RequestRejected
+    from engine.grammar import check
+
+    try:
+        found = constraint(sampling)
+        if found is not None:
+            check(found)
+    except RequestRejected as err:
+        raise _invalid(err.field or "response_format", err.message) from err
 
 
 def handle(submit: Submit, state: object) -> list[Event]:

@@ -75,3 +75,36 @@ def test_engine_config_from_the_environment(monkeypatch):
     monkeypatch.setenv("BRIGADE_MAX_NUM_SEQS", "four")
     with pytest.raises(ValueError, match="BRIGADE_MAX_NUM_SEQS='four'"):
         engine_config_from_env()
+
+
+def test_structured_output_fields_map_to_one_constraint():
+    from engine.params import Constraint
+    from schemas.events import JsonSchemaFormat, ResponseFormat
+
+    schema = {"type": "object", "properties": {"b": {}, "a": {}}}
+    cases = [
+        (Sampling(), None),
+        (Sampling(response_format=ResponseFormat(type="text")), None),
+        (Sampling(response_format=ResponseFormat(type="json_object")), Constraint("json_object")),
+        (
+            Sampling(
+                response_format=ResponseFormat(
+                    type="json_schema", json_schema=JsonSchemaFormat(schema=schema, strict=True)
+                )
+            ),
+            Constraint.json_schema(schema),
+        ),
+        (Sampling(guided_json=schema), Constraint.json_schema(schema)),
+        (
+            Sampling(guided_json='{"type": "integer"}'),
+            Constraint("json_schema", '{"type":"integer"}'),
+        ),
+        (Sampling(guided_regex="[0-9]+"), Constraint("regex", "[0-9]+")),
+        (Sampling(guided_choice=["a", "b"]), Constraint.choice(["a", "b"])),
+        (Sampling(guided_grammar='root ::= "x"'), Constraint("grammar", 'root ::= "x"')),
+    ]
+    for wire, expected in cases:
+        assert sampling_params(wire, "r").constraint == expected, wire
+    with pytest.raises(StageError) as info:
+        sampling_params(Sampling(guided_regex="a", min_tokens=2), "r")
+    assert info.value.field == "min_tokens"

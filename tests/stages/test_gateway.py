@@ -156,3 +156,40 @@ async def test_gateway_answers_on_the_reply_inbox(bus_config: BusConfig) -> None
     info = await bus.js.stream_info("BRIGADE_IN")
     assert info.state.messages == 0  # the work queue is empty: every submit was acked
     await bus.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "problem"),
+    [
+        (
+            b'"response_format": {"type": "json_schema", "json_schema": {"name": "p",'
+            b' "schema": {"type": "objekt"}, "strict": true}}',
+            "response_format.json_schema",
+            "Invalid type: objekt",
+        ),
+        (b'"guided_regex": "(("', "guided_regex", "unclosed group"),
+        (b'"guided_grammar": "start: foo"', "guided_grammar", 'unknown name: "foo"'),
+        (b'"guided_json": "{nope"', "guided_json", "not valid JSON"),
+        (b'"guided_regex": "a", "guided_choice": ["b"]', "guided_choice", "at most one"),
+        (b'"response_format": {"type": "json_schema"}', "response_format.json_schema", "needs"),
+    ],
+)
+def test_a_structured_output_that_cannot_compile_fails_naming_the_problem(
+    body: bytes, field: str, problem: str
+) -> None:
+    out = submit_result(b'{"prompt": "x", ' + body + b"}")
+    assert isinstance(out, RequestFailed), out
+    assert (out.code, out.field) == ("invalid_request", field)
+    assert problem in out.message
+
+
+def test_structured_output_fields_reach_the_request() -> None:
+    out = submit_result(
+        b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema":'
+        b' {"name": "p", "schema": {"type": "object", "properties": {"b": {}, "a": {}}}}}}'
+    )
+    assert isinstance(out, RequestAccepted)
+    schema = out.request.sampling.response_format.json_schema.schema
+    assert list(schema["properties"]) == ["b", "a"]  # the order properties are generated in
+    out = submit_result(b'{"prompt": "x", "guided_choice": ["yes", "no"]}')
+    assert isinstance(out, RequestAccepted) and out.request.sampling.guided_choice == ["yes", "no"]
