@@ -186,14 +186,14 @@ def test_greedy_output_is_unchanged_with_fewer_step_outputs(tiny_dir):
 
 def test_max_tokens_and_stop_ids_hold_where_drafts_are_accepted(tiny_dir):
     """(The verification of a stop inside a draft, token by token: test_scheduler.py.)"""
-    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    ((ids, _, sizes),) = run(tiny_engine(tiny_dir, 4), [LOOPING], greedy)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine = tiny_engine(tiny_dir, 4)  # one engine: each run starts and ends with it empty
+    ((ids, _, sizes),) = run(engine, [LOOPING], greedy)
     at = sum(sizes[: next(i for i, n in enumerate(sizes) if n > 1)])  # first multi-token output
     for params in (
         dataclasses.replace(greedy, max_tokens=at + 2),  # a draft of one token fits, no more
         dataclasses.replace(greedy, stop_token_ids=(ids[at + 1],)),
     ):
-        engine = tiny_engine(tiny_dir, 4)
         ((got, _, _),) = run(engine, [LOOPING], params)
         assert got == ids[: ids.index(ids[at + 1]) + 1 if params.stop_token_ids else at + 2]
         stats = engine.stats()
@@ -204,7 +204,7 @@ def test_smollm2_bf16_batch_invariant_speculation_changes_no_bit():
     """In the batch-invariant mode a verified draft gives exactly the tokens and logprobs of
     plain decoding, for requests decoded side by side (one repeats itself: drafts are accepted)."""
     texts = ["Say it three times: I like green tea. I like green tea.", TEXTS[0], TEXTS[4]]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
 
     def engine(k):
         return Engine(
