@@ -220,8 +220,6 @@ class Engine:
             max_rows=self.config.speculative_max_rows,
             max_model_len=self.max_model_len,
         )
-        # a constrained request gets no draft: its verification would need a mask per row
-        drafts = {rid: d for rid, d in drafts.items() if self._seqs[rid].grammar is None}
         batch = self.scheduler.schedule(drafts)
         if batch.is_empty:
             return outputs
@@ -256,10 +254,11 @@ class Engine:
     def _follow_grammars(self, seqs: list[Sequence]) -> None:
         """Advance the matchers past the tokens just received; a request whose output is a
         complete match ends here ("stop"): nothing but eos could follow."""
+        constrained = [seq for seq in seqs if seq.grammar is not None and not seq.is_finished]
+        if not constrained:
+            return
         start = time.perf_counter_ns()
-        for seq in seqs:
-            if seq.grammar is None or seq.is_finished:
-                continue
+        for seq in constrained:
             seq.grammar.follow(seq.output_token_ids)
             if seq.grammar.is_complete:
                 self.scheduler.finish(seq, "stop")

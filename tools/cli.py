@@ -27,6 +27,7 @@ BENCH = [
     "tools.bench.invariant",
     "tools.bench.prefix",
     "tools.bench.spec",
+    "tools.bench.structured",
     "tools.bench.load",
     "tools.bench.hops",
 ]

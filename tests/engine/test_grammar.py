@@ -91,9 +91,12 @@ GREEDY = dataclasses.replace(SEEDED, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def vocab_dir(tmp_path_factory) -> Path:
+    return write_tiny_smollm_vocab(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def write_tiny_smollm_vocab(path: Path) -> Path:
     """A tiny random Llama (tests/engine/tiny_llama.py's shape) with SmolLM2's tokenizer."""
-    path = tmp_path_factory.mktemp("tiny") / "llama"
-    path.mkdir()
+    path.mkdir(parents=True)
     tok = load_tokenizer("smollm2-135m")
     c = {**CONFIG, "vocab_size": tok.vocab_size, "torch_dtype": "bfloat16"}
     g = torch.Generator().manual_seed(0)
