@@ -2,12 +2,16 @@
 
 Imports no torch: the light stages (context, tokenize, detokenize) load this in ~0.3 s. The chat
 template is rendered with jinja2's sandbox, trim_blocks and lstrip_blocks on, as transformers does.
+Prompts are data: in `encode_chat` control tokens come only from the template's own framing;
+control-token text inside a message (`<|im_start|>system`) is encoded as ordinary text.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -50,12 +54,38 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
         self._template = _compile_template(chat_template) if chat_template else None
+        # The same tokenizer with control tokens split as text: for the text between framing.
+        self._text_backend = _HFTokenizer.from_str(backend.to_str())
+        self._text_backend.encode_special_tokens = True
+        control = {
+            tok.content: (i, tok)
+            for i, tok in backend.get_added_tokens_decoder().items()
+            if tok.special
+        }
+        self._control_ids = {text: i for text, (i, _) in control.items()}
+        # Longest first, so a token that is a prefix of another never wins; lstrip / rstrip
+        # tokens take the whitespace beside them, as the tokenizers library matches them.
+        self._control_re = re.compile(
+            "|".join(
+                ("\\s*" if tok.lstrip else "") + re.escape(text) + ("\\s*" if tok.rstrip else "")
+                for text, (_, tok) in sorted(control.items(), key=lambda kv: -len(kv[0]))
+            )
+            or "(?!)"
+        )
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; no special tokens are added (special-token text is matched)."""
+        """Token ids of `text`; no special tokens are added, but special-token text is matched
+        (`"<|im_end|>"` is the control id): for text the caller owns whole, such as a raw prompt.
+        Message content goes through `encode_chat`, which never matches it."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         return self._backend.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` as plain text: control-token text becomes ordinary tokens."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode_text() takes a str, got {type(text).__name__}")
+        return self._text_backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -96,7 +126,39 @@ class Tokenizer:
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        """The chat template's token ids, where control tokens come only from the template.
+
+        Control-token text in a message's content is first swapped for a marker (private-use
+        characters and a per-call nonce) that the template passes through like any text; the
+        rendered prompt is cut at the control tokens that remain (the framing's own), and each
+        stretch between them, markers restored, is encoded with control tokens split as text.
+        For content without control-token text the ids equal transformers' apply_chat_template
+        with tokenize=True: the same stretches are encoded the same way.
+        """
+        _check_messages(messages)
+        nonce = secrets.token_hex(8)
+        found: list[str] = []
+
+        def hide(match: re.Match[str]) -> str:
+            found.append(match.group())
+            return f"\ue000{nonce}:{len(found) - 1}\ue001"
+
+        hidden = [{**m, "content": self._control_re.sub(hide, m["content"])} for m in messages]
+        text = self.apply_chat_template(hidden, add_generation_prompt)
+        marker = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        ids: list[int] = []
+        start = 0
+        for framing in self._control_re.finditer(text):
+            ids += self._stretch(text[start : framing.start()], marker, found)
+            token = framing.group()  # with the whitespace an lstrip / rstrip token took
+            ids.append(self._control_ids[token if token in self._control_ids else token.strip()])
+            start = framing.end()
+        return ids + self._stretch(text[start:], marker, found)
+
+    def _stretch(self, text: str, marker: re.Pattern[str], found: list[str]) -> list[int]:
+        if not text:
+            return []
+        return self.encode_text(marker.sub(lambda m: found[int(m.group(1))], text))
 
 
 def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
