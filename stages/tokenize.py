@@ -1,5 +1,6 @@
-"""Tokenize: `assembled` -> `tokenized`. The chat template renders the fitted messages; a raw
-`prompt` is encoded as is. Uses only engine.tokenizer (no torch), so the stage starts fast.
+"""Tokenize: `assembled` -> `tokenized`. The chat template renders the fitted messages (control
+tokens only from its framing: content is data); a raw `prompt` is encoded as is. Uses only
+engine.tokenizer (no torch), so the stage starts fast.
 """
 
 from __future__ import annotations
@@ -8,7 +9,14 @@ import functools
 
 from engine.tokenizer import Tokenizer, load_tokenizer
 from schemas import settings
-from schemas.events import ContextAssembled, Event, PromptTokenized, Request, decoder_for
+from schemas.events import (
+    ContextAssembled,
+    Event,
+    PromptTokenized,
+    Request,
+    Sampling,
+    decoder_for,
+)
 from stages.runtime.failures import StageError
 from stages.runtime.spec import StageContext, StageSpec
 
@@ -26,13 +34,30 @@ def served_model() -> str:
 
 
 def prompt_token_ids(request: Request, tokenizer: Tokenizer) -> list[int]:
+    """The prompt's ids. Messages (user, assistant, system, documents, summaries) go through the
+    chat template, and control-token text in their content is encoded as ordinary text, so no
+    content can forge a turn. A raw `prompt` (the completions API) is the caller's whole text,
+    framing included: as in vLLM, control-token text there is the control token."""
     if request.raw_prompt:
         return tokenizer.encode(request.messages[0].content)
     messages = [{"role": m.role, "content": m.content} for m in request.messages]
     return tokenizer.encode_chat(messages, add_generation_prompt=True)
 
 
+def check_token_ids(sampling: Sampling, tokenizer: Tokenizer) -> None:
+    """Token ids the client named must be the model's: the wire only bounds them by any model."""
+    for i, token_id in enumerate(sampling.stop_token_ids):
+        if token_id >= tokenizer.vocab_size:
+            raise StageError(
+                "invalid_request",
+                f"stop_token_ids[{i}]={token_id} is not a token of {tokenizer.model_name}: its "
+                f"ids are 0 to {tokenizer.vocab_size - 1}",
+                field=f"stop_token_ids[{i}]",
+            )
+
+
 def handle(event: ContextAssembled, tokenizer: Tokenizer) -> list[Event]:
+    check_token_ids(event.request.sampling, tokenizer)
     ids = prompt_token_ids(event.request, tokenizer)
     if not ids:
         raise StageError("invalid_request", "the prompt has no tokens", field="prompt")
