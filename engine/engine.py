@@ -6,6 +6,7 @@ Given each request's seed the outputs are deterministic, whatever else shares th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import secrets
 import time
@@ -154,12 +155,16 @@ class Engine:
         params: SamplingParams,
         priority: int = 0,
         cache_domain: str = "",
+        constrained_output_ids: list[int] | tuple[int, ...] = (),
     ) -> int:
         """Queue a request; returns the seed it samples with. RequestRejected (a ValueError) if
         it can never run.
 
         cache_domain: with prefix caching, the request reuses only K/V computed for requests of
-        the same domain (give each tenant its own, as vLLM's `cache_salt`)."""
+        the same domain (give each tenant its own, as vLLM's `cache_salt`).
+        constrained_output_ids: with params.constraint, a run that resumes an earlier one gives
+        the earlier output (also the end of its prompt): the grammar takes it first; when it is
+        already a complete match, the next step reports the request finished ("stop")."""
         if request_id in self._seqs:
             raise RequestRejected(
                 "invalid_request",
@@ -194,6 +199,13 @@ class Engine:
         grammar = None
         if params.constraint is not None:  # RequestRejected naming the problem if invalid
             grammar = self.grammars.matcher(params.constraint)
+            if not grammar.resume(list(constrained_output_ids)):
+                raise RequestRejected(
+                    "invalid_request",
+                    f"constrained_output_ids ({len(constrained_output_ids)} tokens) do not "
+                    "follow the request's constraint",
+                    field="constrained_output_ids",
+                )
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(
             request_id,
@@ -208,6 +220,10 @@ class Engine:
         self._seqs[request_id] = seq
         self._generators[request_id] = torch.Generator(self.device).manual_seed(seed)
         self.scheduler.add(seq)
+        if grammar is not None and grammar.is_complete:  # a resumed run that had ended
+            self.scheduler.finish(seq, "stop")
+            output = self._emit(seq, 1)
+            self._aborted.append(dataclasses.replace(output, new_token_ids=[], new_logprobs=None))
         return seed
 
     def step(self) -> list[StepOutput]:

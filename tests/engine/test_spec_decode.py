@@ -76,6 +76,15 @@ def test_no_draft_where_a_token_depends_on_more_than_its_rows_logits(params):
     assert propose_drafts([seq], num_speculative_tokens=3, max_rows=8, max_model_len=100) == {}
 
 
+def test_a_constrained_decode_gets_no_draft_and_leaves_the_rows_to_others():
+    constrained, other = decoding("g", 0), decoding("o", 1)
+    constrained.grammar = object()  # any matcher: its mask would be needed at every draft row
+    drafts = propose_drafts(
+        [constrained, other], num_speculative_tokens=3, max_rows=5, max_model_len=100
+    )
+    assert drafts == {"o": [3, 4, 5]}  # 2 decode rows + 3: the whole budget
+
+
 def test_greedy_verification_keeps_the_agreed_run_then_the_models_token():
     assert verify_greedy((60, 61, 62), [60, 61, 70, 99]) == [60, 61, 70]
     assert verify_greedy((60, 61, 62), [60, 61, 62, 99]) == [60, 61, 62, 99]  # all stood
