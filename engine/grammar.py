@@ -181,6 +181,7 @@ class Matcher:
         self.llmatcher = llmatcher
         self.eos_token_id = eos_token_id
         self.num_accepted = 0
+        self.num_followed = 0  # of the sequence's own output tokens
 
     def accept(self, token_id: int) -> None:
         """Advance past one sampled token; it was allowed by the mask, so it must be taken."""
@@ -188,10 +189,20 @@ class Matcher:
         assert ok, f"token {token_id} outside the grammar: {self.llmatcher.get_error()}"
         self.num_accepted += 1
 
+    def resume(self, token_ids: list[int]) -> bool:
+        """Take the output of an earlier run of the request (now the end of its prompt), so that
+        the run goes on from where it was in the grammar; False if they do not follow it."""
+        assert self.num_accepted == 0, "resume() comes before any output"
+        if self.llmatcher.try_consume_tokens(list(token_ids)) != len(token_ids):
+            return False
+        self.num_accepted = len(token_ids)
+        return True
+
     def follow(self, output_token_ids: list[int]) -> None:
-        """Accept the output tokens it has not taken yet (those since the last call)."""
-        for token_id in output_token_ids[self.num_accepted :]:
+        """Accept the sequence's output tokens it has not taken yet (those since the last call)."""
+        for token_id in output_token_ids[self.num_followed :]:
             self.accept(token_id)
+        self.num_followed = len(output_token_ids)
 
     @property
     def is_complete(self) -> bool:
