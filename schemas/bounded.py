@@ -133,5 +133,7 @@ def _key(quoted: bytes) -> str:
 def _render(path: list[str | int]) -> str:
     text = ""
     for part in path[:_PATH_PARTS]:
+        if part == "":  # an object whose first key is not read yet
+            break
         text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else part
     return text

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from schemas.bounded import decode_bounded
 from schemas.subjects import REQUEST_ID_PATTERN
 
 RequestId = Annotated[str, Meta(pattern=REQUEST_ID_PATTERN)]
@@ -22,6 +23,11 @@ Role = Literal["system", "user", "assistant"]
 MAX_TEXT_CHARS = 1_000_000  # one message, document or prompt
 MAX_MESSAGES = 1024
 MAX_DOCUMENTS = 64
+# No model's vocabulary is larger: the wire's bound on a token id. The tokenize stage checks
+# the served model's own (SmolLM2: 49152); the gateway knows no model.
+VOCAB_CEILING = 1 << 20
+TokenId = Annotated[int, Meta(ge=0, lt=VOCAB_CEILING)]
+TopK = Annotated[int, Meta(ge=1, le=VOCAB_CEILING)]
 
 
 class Message(Struct, frozen=True, forbid_unknown_fields=True):
@@ -67,7 +73,7 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=1)] | None = None
+    top_k: TopK | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     max_tokens: Annotated[int, Meta(ge=1, le=8192)] = 256
     min_tokens: Annotated[int, Meta(ge=0, le=8192)] = 0
@@ -75,7 +81,7 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     stop: Annotated[
         list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)
     ] = []
-    stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=64)] = []
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=64)] = []
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
@@ -110,7 +116,7 @@ class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     idempotency_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=1)] | None = None
+    top_k: TopK | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     max_tokens: Annotated[int, Meta(ge=1, le=8192)] = 256
     min_tokens: Annotated[int, Meta(ge=0, le=8192)] = 0
@@ -118,7 +124,7 @@ class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     stop: Annotated[
         list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)
     ] = []
-    stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=64)] = []
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=64)] = []
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
@@ -332,12 +338,12 @@ def encode(event: Event | Submit) -> bytes:
 
 
 def decode_event(data: bytes) -> AnyEvent:
-    """Any event; raises msgspec.ValidationError naming the field on bad input."""
-    return _any_decoder.decode(data)
+    """Any event; raises msgspec.ValidationError naming the field on bad input (too deep too)."""
+    return decode_bounded(_any_decoder, data)
 
 
 def decode_submit(data: bytes) -> Submit:
-    return _submit_decoder.decode(data)
+    return decode_bounded(_submit_decoder, data)
 
 
 def decoder_for(*types: type[Event]) -> msgspec.json.Decoder:

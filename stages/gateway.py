@@ -12,6 +12,7 @@ import time
 import msgspec
 
 from schemas import settings, subjects
+from schemas.bounded import MAX_VALUE_DEPTH, json_depth, value_depth
 from schemas.events import (
     Event,
     Message,
@@ -77,6 +78,7 @@ def normalize(submit: Submit, *, limit_chars: int) -> Request:
             f"({settings.MAX_SUBMIT_CHARS.name})",
         )
     sampling = Sampling(**{name: getattr(submit, name) for name in SAMPLING_FIELDS})
+    check_value_depth(sampling)
     check_constraint(sampling)
     return Request(
         messages=messages,
@@ -89,6 +91,27 @@ def normalize(submit: Submit, *, limit_chars: int) -> Request:
         idempotency_key=submit.idempotency_key,
         sampling=sampling,
     )
+
+
+def check_value_depth(sampling: Sampling) -> None:
+    """A free-form JSON value (a schema, or its text) nests at most MAX_VALUE_DEPTH levels, so
+    every event that carries it stays within the bus decoders' MAX_JSON_DEPTH."""
+    fmt = sampling.response_format
+    values = {
+        "guided_json": sampling.guided_json,
+        "response_format.json_schema.schema": (
+            fmt.json_schema.schema if fmt is not None and fmt.json_schema is not None else None
+        ),
+    }
+    for field, value in values.items():
+        if value is None:
+            continue
+        depth = json_depth(value.encode()) if isinstance(value, str) else value_depth(value)
+        if depth > MAX_VALUE_DEPTH:
+            raise _invalid(
+                field,
+                f"`{field}` nests {depth} levels of JSON; at most {MAX_VALUE_DEPTH} are taken",
+            )
 
 
 def check_constraint(sampling: Sampling) -> None:

@@ -18,7 +18,13 @@ from engine.tokenizer import Tokenizer
 from stages.edge.core import Edge
 from stages.edge.errors import RequestError, error_response
 from stages.edge.openai_routes import read_body
-from stages.edge.openai_schema import ChatMessage, param_of, text_of, validate_messages
+from stages.edge.openai_schema import (
+    ChatMessage,
+    decode_json,
+    param_of,
+    text_of,
+    validate_messages,
+)
 
 MAX_DETOKENIZE_IDS = 1 << 17
 
@@ -48,13 +54,6 @@ class TokenizeChat(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 class Detokenize(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     tokens: list[int]
     model: str | None = None
-
-
-def _json(body: bytes) -> Any:
-    try:
-        return msgspec.json.decode(body)
-    except msgspec.DecodeError as err:
-        raise RequestError("invalid_request", f"request body is not valid JSON: {err}") from None
 
 
 def _convert(raw: Any, kind: type[Struct]) -> Any:
@@ -120,7 +119,7 @@ class ModelRoutes:
 
     async def tokenize(self, request: Request) -> Response:
         caller = self.edge.authenticate(request)
-        raw = _json(await read_body(request, self.edge.config.max_body_bytes))
+        raw = decode_json(await read_body(request, self.edge.config.max_body_bytes))
         chat = isinstance(raw, dict) and "messages" in raw
         req = _convert(raw, TokenizeChat if chat else TokenizeCompletion)
         self.edge.served_model(caller, req.model)
@@ -148,7 +147,7 @@ class ModelRoutes:
 
     async def detokenize(self, request: Request) -> Response:
         caller = self.edge.authenticate(request)
-        raw = _json(await read_body(request, self.edge.config.max_body_bytes))
+        raw = decode_json(await read_body(request, self.edge.config.max_body_bytes))
         req = _convert(raw, Detokenize)
         self.edge.served_model(caller, req.model)
         vocab = self.tokenizer.vocab_size

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, get_args
 import msgspec
 from msgspec import Meta, Struct
 
+from schemas.bounded import JsonBoundsError, decode_bounded
 from schemas.events import RunCancelled, RunCompleted, Submit, Usage
 from stages.edge.errors import RequestError
 from stages.edge.openai_params import CHAT, COMPLETIONS, check_params
@@ -175,13 +176,21 @@ def validate_messages(raw: Any) -> Any:
     return kept
 
 
+def decode_json(body: bytes) -> Any:
+    """The body's JSON, bounded in depth (schemas.bounded), or a 400 naming where it is not."""
+    try:
+        return decode_bounded(None, body)
+    except JsonBoundsError as err:
+        message = f"invalid `{err.field or 'body'}`: {_detail(err)}"
+        raise RequestError("invalid_request", message, err.field) from None
+    except msgspec.DecodeError as err:
+        raise RequestError("invalid_request", f"request body is not valid JSON: {err}") from None
+
+
 def decode_body(body: bytes, kind: type[OpenAIRequest]) -> Any:
     """The request, or a 400 naming the parameter: unknown, refused, of the wrong type or out
     of range, or missing."""
-    try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as err:
-        raise RequestError("invalid_request", f"request body is not valid JSON: {err}") from None
+    raw = decode_json(body)
     if not isinstance(raw, dict):
         raise RequestError(
             "invalid_request", f"the request body must be a JSON object, not {type(raw).__name__}"

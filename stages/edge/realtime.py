@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
+from schemas.bounded import JsonBoundsError, decode_bounded
 from schemas.events import RequestFailed, RunCancelled, RunCompleted, Submit, Usage
 from schemas.subjects import REQUEST_ID_PATTERN
 from stages.edge.errors import RequestError
@@ -50,7 +51,9 @@ _encoder = msgspec.json.Encoder()
 
 def decode_client_event(frame: str | bytes) -> ClientEvent:
     try:
-        event = _client_decoder.decode(frame)
+        event = decode_bounded(_client_decoder, frame)
+    except JsonBoundsError as err:
+        raise RequestError("invalid_request", f"invalid client event: {err}", err.field) from None
     except msgspec.ValidationError as err:
         raise RequestError("invalid_request", f"invalid client event: {err}", "type") from None
     except msgspec.DecodeError as err:

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from schemas import subjects
+from schemas.bounded import without_deep_values
 
 _REQUEST_ID = re.compile(subjects.REQUEST_ID_PATTERN)
 
@@ -57,7 +58,7 @@ def error_field(err: Exception) -> str | None:
 def read_envelope(data: bytes) -> tuple[str | None, str | None]:
     """Best-effort request id and tenant from any JSON object; (None, None) if unreadable."""
     try:
-        env = _envelope_decoder.decode(data)
+        env = _envelope_decoder.decode(without_deep_values(data))  # never past msgspec's stack
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None, None
     rid = env.request_id if isinstance(env.request_id, str) else None

@@ -46,6 +46,7 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from schemas import subjects
+from schemas.bounded import decode_bounded
 from schemas.events import Event, RequestFailed, encode
 from stages.runtime.bus import Bus, BusConfig
 from stages.runtime.failures import StageError, error_field, new_request_id, read_envelope
@@ -100,9 +101,9 @@ class StageWorker:
             self.ctx.cancels.on_cancel(self.service.on_cancel)
 
     def decode(self, msg: Msg) -> Any:
-        """The typed input, or raises msgspec.DecodeError / ValidationError."""
+        """The typed input, or raises msgspec.DecodeError / ValidationError (JSON too deep too)."""
         assert self.spec.decoder is not None, "a stage with input has a decoder (__post_init__)"
-        return self.spec.decoder.decode(msg.data)
+        return decode_bounded(self.spec.decoder, msg.data)
 
     def invalid_event(self, data: bytes, err: Exception) -> RequestFailed | None:
         if self.spec.on_invalid is not None:

@@ -193,3 +193,50 @@ def test_structured_output_fields_reach_the_request() -> None:
     assert list(schema["properties"]) == ["b", "a"]  # the order properties are generated in
     out = submit_result(b'{"prompt": "x", "guided_choice": ["yes", "no"]}')
     assert isinstance(out, RequestAccepted) and out.request.sampling.guided_choice == ["yes", "no"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "problem"),
+    [
+        (b'"stop_token_ids": [1180591620717411303424]', "stop_token_ids[0]", "<= 1048575"),
+        (b'"stop_token_ids": [2, -1]', "stop_token_ids[1]", ">= 0"),
+        (b'"top_k": 1180591620717411303424', "top_k", "<= 1048576"),
+        (b'"seed": 18446744073709551616', "seed", "<= 9223372036854775807"),
+        (b'"max_tokens": 1180591620717411303424', "max_tokens", "<= 8192"),
+        (b'"logprobs": 21', "logprobs", "<= 20"),
+    ],
+)
+def test_integers_are_bounded_by_name(body: bytes, field: str, problem: str) -> None:
+    out = submit_result(b'{"prompt": "x", ' + body + b"}")
+    assert isinstance(out, RequestFailed), out
+    assert (out.code, out.field) == ("invalid_request", field)
+    assert problem in out.message
+
+
+def test_deep_json_fails_naming_the_field_and_keeps_the_request_id() -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    out = submit_result(b'{"request_id": "deep-1", "prompt": "x", "stop": ' + deep + b"}")
+    assert isinstance(out, RequestFailed) and out.request_id == "deep-1"
+    assert out.field == "stop[0][0][0][0][0]"
+    assert out.message.startswith(
+        "invalid submit field `stop[0][0][0][0][0]`: JSON nested deeper than 64 levels"
+    )
+    truncated = submit_result(b'{"request_id": "deep-2", "documents": ' + b"{" * 5000)
+    assert isinstance(truncated, RequestFailed) and truncated.field == "documents"
+
+
+def test_a_schema_nested_past_the_value_bound_is_refused_by_name() -> None:
+    schema = {"type": "array", "items": {}}
+    inner = schema
+    for _ in range(40):  # one level each: 42 with the outer and the innermost {}
+        inner["items"] = {"type": "array", "items": {}}
+        inner = inner["items"]
+    body = msgspec.json.encode({"prompt": "x", "guided_json": schema})
+    out = submit_result(body)
+    assert isinstance(out, RequestFailed) and out.field == "guided_json"
+    assert out.message == "`guided_json` nests 42 levels of JSON; at most 32 are taken"
+    as_text = msgspec.json.encode({"prompt": "x", "guided_json": body.decode()})
+    assert submit_result(as_text).field == "guided_json"
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    out = submit_result(msgspec.json.encode({"prompt": "x", "response_format": fmt}))
+    assert isinstance(out, RequestFailed) and out.field == "response_format.json_schema.schema"
