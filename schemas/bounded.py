@@ -9,7 +9,6 @@ The refusal is a `JsonBoundsError`, a msgspec.ValidationError that names the pat
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from itertools import accumulate, count
 from operator import sub
 from typing import Any
@@ -55,7 +54,7 @@ def check_bounds(
         return
     if json_depth(data) <= max_depth:
         return
-    _, _, path = next(_deep_values(data, max_depth))
+    _, path, _ = _first_deep(data, max_depth)
     raise JsonBoundsError(
         f"JSON nested deeper than {max_depth} levels is refused", _render(path) or None
     )
@@ -76,15 +75,14 @@ def decode_bounded(
 
 
 def without_deep_values(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> bytes:
-    """`data` with every container deeper than max_depth replaced by null: enough to read the
-    envelope (request_id, tenant) of input that `check_bounds` refuses."""
+    """`data` cut where its first too-deep value opens, that value null and its containers
+    closed: enough to read the envelope (request_id, tenant) of input that `check_bounds`
+    refuses, when the envelope comes before the deep value. Costs the path, not the input."""
     if data.count(b"[") + data.count(b"{") <= max_depth or json_depth(data) <= max_depth:
         return data
-    kept, start = [], 0
-    for begin, end, _ in _deep_values(data, max_depth):
-        kept += [data[start:begin], b"null"]
-        start = end
-    return b"".join([*kept, data[start:]])
+    start, _, kinds = _first_deep(data, max_depth)
+    closing = b"".join(b"]" if c == _LIST else b"}" for c in reversed(kinds))
+    return data[:start] + b"null" + closing
 
 
 def value_depth(value: Any) -> int:
@@ -92,35 +90,31 @@ def value_depth(value: Any) -> int:
     return json_depth(msgspec.json.encode(value))
 
 
-def _deep_values(data: bytes, max_depth: int) -> Iterator[tuple[int, int, list[str | int]]]:
-    """(start, end, path) of each container that opens at depth max_depth + 1, in order.
+def _first_deep(data: bytes, max_depth: int) -> tuple[int, list[str | int], list[int]]:
+    """(offset, path, open brackets) of the first container that opens at depth max_depth + 1.
 
-    Walks strings and brackets only; the commas between two such tokens are the innermost
-    container's, so they give a list's index without visiting every element."""
+    Walks strings and brackets only, and stops there; the commas between two such tokens are
+    the innermost container's, so they give a list's index without visiting every element."""
     kinds: list[int] = []  # the open containers' brackets
     path: list[str | int] = []  # per open container: the key or index of the current child
-    prev, start, at = 0, None, []
+    prev = 0
     for m in _TOKEN.finditer(data):
         c = data[m.start()]
-        if start is None and kinds and kinds[-1] == _LIST:
+        if kinds and kinds[-1] == _LIST:
             path[-1] += data.count(b",", prev, m.start())  # type: ignore[operator]
         prev = m.end()
         if c == _QUOTE:
-            if start is None and m.group(1) and kinds and kinds[-1] != _LIST:
+            if m.group(1) and kinds and kinds[-1] != _LIST:
                 path[-1] = _key(data[m.start() : m.start(1)])
         elif c in _OPEN:
-            if start is None and len(kinds) == max_depth:
-                start, at = m.start(), list(path)
+            if len(kinds) == max_depth:
+                return m.start(), path, kinds
             kinds.append(c)
             path.append(0 if c == _LIST else "")
-        elif c in _CLOSE and kinds:  # an unmatched one is msgspec's to report
+        elif kinds:  # a closing one; an unmatched one is msgspec's to report
             kinds.pop()
             path.pop()
-            if start is not None and len(kinds) == max_depth:
-                yield start, m.end(), at
-                start = None
-    if start is not None:  # truncated input
-        yield start, len(data), at
+    raise AssertionError("_first_deep is called only on input deeper than max_depth")
 
 
 def _key(quoted: bytes) -> str:
