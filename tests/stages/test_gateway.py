@@ -240,3 +240,56 @@ def test_a_schema_nested_past_the_value_bound_is_refused_by_name() -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
     out = submit_result(msgspec.json.encode({"prompt": "x", "response_format": fmt}))
     assert isinstance(out, RequestFailed) and out.field == "response_format.json_schema.schema"
+
+
+@pytest.mark.anyio
+async def test_llm_in_fuzzer_every_bad_submit_is_named_and_the_gateway_lives(
+    bus_config: BusConfig,
+) -> None:
+    """341 seeded bad submits through a real nats-server and the real gateway stage: each gets
+    a reply (and its failed event) naming the field; then a normal submit is still accepted."""
+    from tests.schemas.submit_fuzz import bad_cases, names
+
+    cases = list(bad_cases(seed=11))
+    assert len(cases) >= 300
+    stop, ready = anyio.Event(), anyio.Event()
+    bus = await Bus.connect(bus_config)
+    replies: dict[int, object] = {}
+    limit = anyio.Semaphore(16)
+
+    async def send(i: int, data: bytes) -> None:
+        async with limit:
+            replies[i] = await bus.submit(data, timeout_s=30)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: runtime.serve(
+                gateway.SPEC, config=bus_config, stop=stop, ready=ready, handle_signals=False
+            )
+        )
+        await ready.wait()
+        async with anyio.create_task_group() as senders:
+            for i, case in enumerate(cases):
+                senders.start_soon(send, i, case.submit())
+        ok = await bus.submit(Submit(request_id="after-fuzz", prompt="Hi"))
+        kept = await bus.submit(  # a client's own id survives a deep value after it
+            b'{"request_id": "fuzz-own-id", "prompt": "x", "stop": '
+            + b"[" * 5000
+            + b"]" * 5000
+            + b"}"
+        )
+        stop.set()
+    wrong = [
+        (c.field, c.value[:40], r.field, r.message[:80])
+        for c, r in ((cases[i], replies[i]) for i in range(len(cases)))
+        if r.accepted or r.code != "invalid_request" or not names(r.field, c.field)
+    ]
+    assert not wrong, wrong
+    assert (ok.request_id, ok.accepted) == ("after-fuzz", True)
+    assert (kept.request_id, kept.field) == ("fuzz-own-id", "stop[0][0][0][0][0]")
+    for i in range(0, len(cases), 60):  # the failed events are in the log, naming the field
+        (failed,) = await bus.replay(replies[i].request_id)
+        assert isinstance(failed, RequestFailed) and failed.field == replies[i].field
+    info = await bus.js.stream_info("BRIGADE_IN")
+    assert info.state.messages == 0
+    await bus.close()
