@@ -30,6 +30,7 @@ BENCH = [
     "tools.bench.structured",
     "tools.bench.load",
     "tools.bench.hops",
+    "tools.bench.quality",
 ]
 
 

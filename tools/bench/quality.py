@@ -1,0 +1,371 @@
+"""`brigade bench quality`: the fixed quality set, every user-selectable configuration in one table.
+
+Teacher-forced over a public-domain corpus (tools/bench/quality_data/) against the plain fp32
+reference (quality_reference.py): mean KL(reference || config), top-1 agreement and perplexity,
+on the prefill path (512-token chunks, one sequence at a time) and on the decode path (8 corpus
+segments as 8 streams, one token each per step: the row count at which the "-decode" kinds run
+their GEMVs; with speculation, 2 streams verifying 1 + k tokens each). Then 64 fixed chat prompts
+answered greedily through the engine (at most 8 running at once), compared with the fp32
+engine's answers: answers identical, and the first position where a differing one departs.
+llama.cpp's greedy answers to the same prompts are added with --llama-cpp-dir. Writes
+quality.md and quality.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DATA = Path(__file__).with_name("quality_data")
+CORPUS = DATA / "persuasion_ch1-3.txt"
+PROMPTS = DATA / "chat_prompts.json"
+TARGET_TOP1 = 0.99  # teacher-forced agreement with fp32, both paths
+TARGET_KL = 0.001  # mean KL(fp32 || config) per token, both paths
+PREFILL_CHUNK = 512
+DECODE_STREAMS = 8
+SPEC_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """One row of the table: EngineConfig fields that change what the model computes."""
+
+    name: str
+    dtype: str = "float32"
+    quantization: str | None = None
+    batch_invariant: bool = False
+    num_speculative_tokens: int = 0
+    enable_prefix_caching: bool = False
+    engine_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def engine_fields(self) -> dict:
+        return {
+            "dtype": self.dtype,
+            "quantization": self.quantization,
+            "batch_invariant": self.batch_invariant,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "enable_prefix_caching": self.enable_prefix_caching,
+        }
+
+
+def all_configs() -> list[QualityConfig]:
+    """The default first, then every dtype x weight kind, batch-invariant, speculation, prefix."""
+    default = _default_fields()
+    label = f"{default['dtype']} {default['quantization'] or 'dense'}"
+    rows = [QualityConfig(f"default ({label})", **default)]
+    for dtype in ("float32", "bfloat16", "float16"):
+        rows.append(QualityConfig(f"{dtype} dense", dtype=dtype))
+    for q in ("int4-decode", "int8-decode", "int4", "int8"):
+        rows.append(QualityConfig(f"bfloat16 {q}", dtype="bfloat16", quantization=q))
+    for q in (None, "int4", "int8"):
+        name = f"bfloat16 {q or 'dense'} batch-invariant"
+        rows.append(QualityConfig(name, dtype="bfloat16", quantization=q, batch_invariant=True))
+    base = default
+    rows.append(
+        QualityConfig(
+            f"default + speculation k={SPEC_TOKENS}",
+            **{**base, "num_speculative_tokens": SPEC_TOKENS},
+        )
+    )
+    rows.append(QualityConfig("default + prefix cache", **{**base, "enable_prefix_caching": True}))
+    rows.append(
+        QualityConfig(
+            f"bfloat16 int4-decode + speculation k={SPEC_TOKENS}",
+            dtype="bfloat16",
+            quantization="int4-decode",
+            num_speculative_tokens=SPEC_TOKENS,
+        )
+    )
+    # the default's own settings appear once, as its row
+    return [rows[0]] + [r for r in rows[1:] if r.engine_fields != default]
+
+
+def _default_fields() -> dict:
+    """What EngineConfig() computes with, quantization resolved as the loader does."""
+    import torch
+
+    from engine import EngineConfig
+    from engine.engine import DTYPES
+    from engine.loader import resolve_quantization
+
+    c = EngineConfig()
+    quant = resolve_quantization(
+        c.quantization, DTYPES[c.dtype], torch.device(c.device), c.batch_invariant
+    )
+    return {
+        "dtype": c.dtype,
+        "quantization": quant,
+        "batch_invariant": c.batch_invariant,
+        "num_speculative_tokens": c.num_speculative_tokens,
+        "enable_prefix_caching": c.enable_prefix_caching,
+    }
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "quality", help="KL / top-1 / perplexity vs fp32 and greedy chat agreement, per config"
+    )
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", default=".brigade/bench", help="directory for quality.md/.json")
+    p.add_argument(
+        "--quick", action="store_true", help="1,024 corpus tokens, 16 prompts of 24 tokens"
+    )
+    p.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per chat answer")
+    p.add_argument("--only", default=None, help="comma-separated row names to run")
+    p.add_argument(
+        "--llama-cpp-dir",
+        default=None,
+        help='a built llama.cpp checkout (e.g. "$LLAMA_CPP_DIR"): adds its greedy answers',
+    )
+    p.set_defaults(func=run)
+
+
+def load_corpus(tokenizer, max_tokens: int | None) -> list[int]:
+    ids = tokenizer.encode(CORPUS.read_text())
+    return ids[:max_tokens] if max_tokens else ids
+
+
+def load_prompts(limit: int | None = None) -> list[str]:
+    prompts = json.loads(PROMPTS.read_text())["prompts"]
+    return prompts[:limit] if limit else prompts
+
+
+def teacher_forced(model, ref, segments, *, spec_tokens: int) -> dict:
+    """Both paths of one model against the reference; with `spec_tokens` the decode path is the
+    verification of accepted drafts (streams x (1 + k) rows within 8)."""
+    from tools.bench.quality_forced import forced_logits, score
+
+    prefill = score(
+        ref,
+        segments,
+        forced_logits(model, segments, num_streams=1, tokens_per_step=PREFILL_CHUNK),
+    )
+    if spec_tokens:
+        streams, per_step = max(1, DECODE_STREAMS // (1 + spec_tokens)), 1 + spec_tokens
+    else:
+        streams, per_step = DECODE_STREAMS, 1
+    decode = score(
+        ref, segments, forced_logits(model, segments, num_streams=streams, tokens_per_step=per_step)
+    )
+    decode["streams"], decode["tokens_per_step"] = streams, per_step
+    return {"prefill": prefill, "decode": decode}
+
+
+def greedy_answers(engine, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    out: dict[str, list[int]] = {}
+    for i, ids in enumerate(prompt_ids):
+        engine.add_request(f"q{i}", ids, params)
+        out[f"q{i}"] = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[f"q{i}"] for i in range(len(prompt_ids))]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two answers differ; None when they are identical."""
+    if a == b:
+        return None
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def compare_answers(reference: list[list[int]], answers: list[list[int]]) -> dict:
+    firsts = [first_divergence(r, a) for r, a in zip(reference, answers, strict=True)]
+    diverged = [f for f in firsts if f is not None]
+    return {
+        "num_prompts": len(firsts),
+        "identical": len(firsts) - len(diverged),
+        "first_divergence": firsts,
+        "median_first_divergence": statistics.median(diverged) if diverged else None,
+    }
+
+
+def meets_targets(tf: dict | None) -> bool | None:
+    if tf is None:
+        return None
+    return all(
+        tf[p]["top1"] >= TARGET_TOP1 and tf[p]["mean_kl"] <= TARGET_KL
+        for p in ("prefill", "decode")
+    )
+
+
+def llama_cpp_answers(
+    llama_dir: Path, gguf: Path, prompts: list[str], tokenizer, max_tokens: int
+) -> list[str]:
+    """Greedy answers of llama.cpp's `llama-simple` to the rendered chat prompts."""
+    exe = next(
+        (
+            p
+            for p in (llama_dir / "build" / "bin" / "llama-simple", llama_dir / "llama-simple")
+            if p.exists()
+        ),
+        None,
+    )
+    if exe is None:
+        raise FileNotFoundError(f"no llama-simple under {llama_dir} (build/bin or top level)")
+    answers = []
+    for prompt in prompts:
+        text = tokenizer.decode(
+            tokenizer.encode_chat([{"role": "user", "content": prompt}]), skip_special_tokens=False
+        )
+        done = subprocess.run(
+            [str(exe), "-m", str(gguf), "-n", str(max_tokens), text],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-simple exited {done.returncode}: {done.stderr[-300:]}")
+        out = done.stdout
+        answers.append(out[len(text) :] if out.startswith(text) else out)
+    return answers
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine import Engine, EngineConfig
+    from engine.loader import load_model, read_gguf, read_hf_dir
+    from engine.tokenizer import load_tokenizer
+    from engine.weights import model_format, resolve_model
+    from tools.bench.files import write_results
+    from tools.bench.quality_forced import Reference, split_segments
+    from tools.bench.quality_reference import ReferenceLlama
+
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(args.model)
+    corpus = load_corpus(tokenizer, 1024 if args.quick else None)
+    # 8 equal segments: the decode path runs them as 8 streams side by side
+    segment_len = -(-len(corpus) // DECODE_STREAMS)
+    segments = split_segments(corpus, segment_len, None)
+    prompts = load_prompts(16 if args.quick else None)
+    max_tokens = args.max_tokens or (24 if args.quick else 64)
+    prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    configs = all_configs()
+    if args.only:
+        names = set(args.only.split(","))
+        configs = [c for c in configs if c.name in names]
+
+    path = resolve_model(args.model)
+    model_config, weights = read_hf_dir(path) if model_format(path) == "hf" else read_gguf(path)
+    print(f"fp32 reference over {len(corpus)} corpus tokens ...", flush=True)
+    ref = Reference(segments, model_config.vocab_size)
+    ref.fill(ReferenceLlama(model_config, weights), segments)
+    del weights
+    engine_common = {"model": args.model, "max_num_seqs": DECODE_STREAMS}
+    fp32_engine = Engine(EngineConfig(**engine_common, dtype="float32", quantization=None))
+    reference_answers = greedy_answers(fp32_engine, prompt_ids, max_tokens)
+    del fp32_engine
+    res: dict = {
+        "model": args.model,
+        "threads": torch.get_num_threads(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "corpus": {"file": CORPUS.name, "tokens": len(corpus), "segments": len(segments)},
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "targets": {"top1": TARGET_TOP1, "mean_kl": TARGET_KL},
+        "rows": [],
+    }
+    for c in configs:
+        print(
+            f"{c.name}: teacher-forced prefill + decode, {len(prompts)} chat prompts ...",
+            flush=True,
+        )
+        row: dict = {"name": c.name, **c.engine_fields}
+        if c.enable_prefix_caching:
+            row["teacher_forced"] = None  # the same model and paths as without; chat measures it
+        else:
+            model, _ = load_model(
+                args.model,
+                dtype=c.dtype,
+                quantization=c.quantization,
+                batch_invariant=c.batch_invariant,
+            )
+            row["teacher_forced"] = teacher_forced(
+                model, ref, segments, spec_tokens=c.num_speculative_tokens
+            )
+            del model
+        engine = Engine(EngineConfig(**engine_common, **c.engine_fields))
+        answers = greedy_answers(engine, prompt_ids, max_tokens)
+        del engine
+        row["chat"] = compare_answers(reference_answers, answers)
+        row["meets_targets"] = meets_targets(row["teacher_forced"])
+        res["rows"].append(row)
+    ref.close()
+    res["llama_cpp"] = None
+    if args.llama_cpp_dir:
+        texts = llama_cpp_answers(Path(args.llama_cpp_dir), path, prompts, tokenizer, max_tokens)
+        ref_texts = [tokenizer.decode(a) for a in reference_answers]
+        same = sum(t.strip() == r.strip() for t, r in zip(texts, ref_texts, strict=True))
+        res["llama_cpp"] = {"identical_text": same, "answers": texts}
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    write_results(args.out, "quality", res, markdown(res))
+    return 0
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f} %"
+
+
+def markdown(res: dict) -> str:
+    tgt = res["targets"]
+    lines = [
+        f"Quality set: {res['model']}, teacher-forced over {res['corpus']['tokens']} tokens of "
+        f"{res['corpus']['file']} ({res['corpus']['segments']} segments) against the plain fp32 "
+        f"reference; {res['prompts']} chat prompts, greedy, {res['max_tokens']} tokens, against "
+        f"the fp32 engine. Targets: top-1 >= {100 * tgt['top1']:.0f} % and mean KL <= "
+        f"{tgt['mean_kl']} on both paths. {res['threads']} threads; {res['wall_s']} s",
+        "",
+        "| configuration | prefill KL | prefill top-1 | prefill ppl | decode KL | decode top-1 | "
+        "decode ppl | chat identical | median first divergence | meets targets |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        tf, chat = r["teacher_forced"], r["chat"]
+        if tf is None:
+            cells = ["as without the prefix cache"] + [""] * 5
+        else:
+            p, d = tf["prefill"], tf["decode"]
+            cells = [
+                f"{p['mean_kl']:.5f}",
+                _pct(p["top1"]),
+                f"{p['ppl']:.3f}",
+                f"{d['mean_kl']:.5f}",
+                _pct(d["top1"]),
+                f"{d['ppl']:.3f}",
+            ]
+        med = chat["median_first_divergence"]
+        met = {True: "yes", False: "no", None: "—"}[r["meets_targets"]]
+        lines.append(
+            f"| {r['name']} | "
+            + " | ".join(cells)
+            + f" | {chat['identical']}/{chat['num_prompts']} | {'—' if med is None else med} | "
+            f"{met} |"
+        )
+    ref_ppl = next(
+        (r["teacher_forced"]["prefill"]["ref_ppl"] for r in res["rows"] if r["teacher_forced"]),
+        None,
+    )
+    lines += ["", f"fp32 reference perplexity: {ref_ppl:.3f}" if ref_ppl else ""]
+    lc = res.get("llama_cpp")
+    if lc is None:
+        lines.append("llama.cpp: skipped (pass --llama-cpp-dir with a built llama.cpp to compare)")
+    else:
+        lines.append(
+            f"llama.cpp greedy answers with the same text as fp32: {lc['identical_text']}/"
+            f"{res['prompts']}"
+        )
+    lines.append("")
+    return "\n".join(lines)
