@@ -193,6 +193,8 @@ class EngineStage(Service):
                     run.params,
                     priority,
                     cache_domain=run.event.tenant or "",  # no prefix is shared across tenants
+                    # a run continuing after stored output: its grammar takes that output first
+                    constrained_output_ids=run.output_ids if run.params.constraint else (),
                 )
                 run.added_ns = time.monotonic_ns()
             except RequestRejected as err:

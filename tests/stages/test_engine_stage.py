@@ -246,3 +246,39 @@ async def test_a_rerun_that_samples_otherwise_continues_after_the_stored_tokens(
     (fin,) = [e for e in events if isinstance(e, RunFinished)]
     assert (fin.finish_reason, fin.last_seq, fin.usage.completion_tokens) == ("length", 5, 6)
     assert fin.context_token_ids == ids and engine.stats().num_free_blocks == NUM_BLOCKS
+
+
+@pytest.mark.anyio
+async def test_a_constrained_rerun_continues_its_grammar_after_the_stored_tokens(
+    bus_config, engine, prompt, monkeypatch
+):
+    """The dead worker stored " Bl" + "ue" (a spelling this engine would not pick): the re-run
+    keeps them and its grammar goes on from there, so the choice is completed, not restarted."""
+    monkeypatch.setenv("BRIGADE_ACK_WAIT_S", "2")
+    tok = engine.tokenizer
+    stored = [tok.token_to_id("ĠBl"), tok.token_to_id("ue")]
+    assert None not in stored and tok.decode(stored) == " Bl" + "ue"
+    choices = [" Blue, green and red", " Yellow"]
+    client = await Bus.connect(bus_config)
+    await client.ensure_streams()
+    dead = await Bus.connect(bus_config)
+    taker = await dead.pull(runtime.with_env_overrides(engine_stage.SPEC).consumer())
+    await client.publish(tokenized("chosen", prompt, max_tokens=16, seed=4, guided_choice=choices))
+    (msg,) = await taker.fetch(1, timeout=5)  # taken, never acked: the worker dies after 2 steps
+    for seq, token in enumerate(stored):
+        await dead.publish(
+            TokensGenerated(
+                request_id="chosen", seq=seq, token_ids=[token], context_token_ids=stored[:seq]
+            )
+        )
+    await dead.nc.close()
+    async with running_stage(bus_config, engine):
+        sub = await client.nc.subscribe("llm.ev.chosen.finished")
+        await sub.next_msg(timeout=120)
+    events = await client.replay("chosen")
+    await client.close()
+    ids = [t for e in events if isinstance(e, TokensGenerated) for t in e.token_ids]
+    assert ids[:2] == stored
+    assert tok.decode(ids) == choices[0]
+    (fin,) = [e for e in events if isinstance(e, RunFinished)]
+    assert fin.finish_reason == "stop" and engine.stats().num_free_blocks == NUM_BLOCKS
