@@ -35,16 +35,19 @@ class Costs:
         self.tok = tokenizer
         self._probe = {"role": "system", "content": "."}
         self._probe_text = tokenizer.apply_chat_template([self._probe], False)
+        self._probe_tokens = len(tokenizer.encode_chat([self._probe], add_generation_prompt=False))
         self._framing: dict[bool, int] = {}
 
     def message(self, role: str, content: str, *, first: bool = False) -> int:
         """Tokens of one rendered message; `first` for the leading system message."""
         m = {"role": role, "content": content}
         if first:
-            return len(self.tok.encode(self.tok.apply_chat_template([m], False)))
+            return len(self.tok.encode_chat([m], add_generation_prompt=False))
         text = self.tok.apply_chat_template([self._probe, m], False)
         assert text.startswith(self._probe_text), "chat template is not additive per message"
-        return len(self.tok.encode(text[len(self._probe_text) :]))
+        # encoded as the tokenize stage will: control-token text in content is ordinary text
+        both = self.tok.encode_chat([self._probe, m], add_generation_prompt=False)
+        return len(both) - self._probe_tokens
 
     def framing(self, has_system: bool) -> int:
         """Tokens the template adds beyond its messages (default system prompt, generation prompt)."""
@@ -61,7 +64,7 @@ class Costs:
 
     def cut_to(self, role: str, content: str, budget: int) -> tuple[str, int] | None:
         """The longest token suffix of `content` whose message costs <= budget, and its cost."""
-        ids = self.tok.encode(content)
+        ids = self.tok.encode_text(content)
         wrapper = self.message(role, "")
         keep = budget - wrapper
         while keep > 0:
