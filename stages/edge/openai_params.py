@@ -81,7 +81,7 @@ def _refused(
     )
 
 
-_GRAMMAR = "grammar-constrained decoding, not supported by the engine yet"
+_GRAMMAR = "tool-call parsing, which is not built yet"
 PARAMS: tuple[Param, ...] = (
     # OpenAI's chat and completions parameters, as the `openai` SDK sends them
     _honoured(
@@ -123,12 +123,11 @@ PARAMS: tuple[Param, ...] = (
         (COMPLETIONS,),
     ),  # fmt: skip
     _refused("logit_bias", f"a logit bias in the sampler is {NOT_YET}", _empty_map, "null or {}"),
-    _refused(
+    _honoured(
         "response_format",
-        f"json_object and json_schema need {_GRAMMAR}",
-        _text_format,
-        '{"type": "text"}',
-    ),  # fmt: skip
+        "text, json_object or json_schema (its schema enforced token by token by the engine's "
+        "grammar-constrained sampler; strict or not); an invalid schema is a 400 naming it",
+    ),
     _refused("tools", f"tool calling needs {_GRAMMAR}", _empty_list, "null or []"),
     _refused("tool_choice", f"tool calling needs {_GRAMMAR}", _null_or("none"), '"none"'),
     _refused("functions", f"function calling needs {_GRAMMAR}", _empty_list, "null or []", (CHAT,)),
@@ -198,10 +197,22 @@ PARAMS: tuple[Param, ...] = (
     ),  # fmt: skip
     _refused("prompt_logprobs", f"prompt logprobs are {NOT_YET}"),
     _refused("use_beam_search", f"beam search is {NOT_YET}", _null_or(False), "false"),
-    _refused("guided_json", f"needs {_GRAMMAR}"),
-    _refused("guided_regex", f"needs {_GRAMMAR}"),
-    _refused("guided_choice", f"needs {_GRAMMAR}"),
-    _refused("guided_grammar", f"needs {_GRAMMAR}"),
+    _honoured(
+        "guided_json",
+        "a JSON schema (object or its JSON text) the output follows; at most one structured-output field",
+    ),
+    _honoured(
+        "guided_regex",
+        "a regular expression the output matches; at most one structured-output field",
+    ),
+    _honoured(
+        "guided_choice",
+        "the output is exactly one of these strings; at most one structured-output field",
+    ),
+    _honoured(
+        "guided_grammar",
+        "a Lark or GBNF grammar the output follows; at most one structured-output field",
+    ),
 )
 BY_ENDPOINT: dict[str, dict[str, Param]] = {
     e: {p.name: p for p in PARAMS if e in p.endpoints} for e in BOTH

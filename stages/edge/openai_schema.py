@@ -27,6 +27,11 @@ MinP = _WIRE["min_p"]
 MaxTokens = _WIRE["max_tokens"]
 MinTokens = _WIRE["min_tokens"]
 Seed = _WIRE["seed"]
+ResponseFormat = _WIRE["response_format"]
+GuidedJson = _WIRE["guided_json"]
+GuidedRegex = _WIRE["guided_regex"]
+GuidedChoice = _WIRE["guided_choice"]
+GuidedGrammar = _WIRE["guided_grammar"]
 Stop = _WIRE["stop"]
 StopString = get_args(get_args(Stop)[0])[0]  # one stop string, with the wire's bounds
 StopTokenIds = _WIRE["stop_token_ids"]
@@ -70,6 +75,12 @@ class _Common(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool | None = None
     stop_token_ids: StopTokenIds | None = None
+    # structured output (the gateway checks that at most one is set and that it compiles)
+    response_format: ResponseFormat = None
+    guided_json: GuidedJson = None
+    guided_regex: GuidedRegex = None
+    guided_choice: GuidedChoice = None
+    guided_grammar: GuidedGrammar = None
 
 
 class ChatCompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -261,6 +272,11 @@ _SAMPLING = (
     "repetition_penalty",
     "ignore_eos",
     "stop_token_ids",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
 
 

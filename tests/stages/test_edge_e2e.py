@@ -169,9 +169,9 @@ async def test_models_aliases_and_finish_reasons(pipeline):
     assert info.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(
-            model=MODEL, messages=PROMPT, response_format={"type": "json_object"}
+            model=MODEL, messages=PROMPT, tools=[{"type": "function", "function": {"name": "f"}}]
         )
-    assert info.value.body["param"] == "response_format"
+    assert info.value.body["param"] == "tools"
     stopped = await client.completions.create(
         model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[","]
     )
@@ -477,3 +477,46 @@ def _without_model(series: str) -> str:
     """`name{le="1.0",model_name="m"}` -> `name{le="1.0"}`; `name{model_name="m"}` -> `name`."""
     series = series.replace(f'model_name="{MODEL}"', "")
     return series.replace("{,", "{").replace(",}", "}").replace("{}", "")
+
+
+async def test_structured_outputs_through_every_stage(pipeline):
+    """response_format json_object and json_schema, and vLLM's guided_choice, come back as text
+    that parses and validates; an invalid schema is a 400 naming response_format."""
+    edge, _ = pipeline
+    client = _client(edge)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "rank": {"enum": [1, 2, 3]}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    ask = [{"role": "user", "content": "Give a city and its rank as JSON."}]
+    reply = await client.chat.completions.create(
+        model=MODEL,
+        messages=ask,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    got = json.loads(reply.choices[0].message.content)
+    assert set(got) == {"city", "rank"} and got["rank"] in (1, 2, 3) and len(got["city"]) <= 20
+    assert reply.choices[0].finish_reason == "stop"
+    anyjson = await client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=60, response_format={"type": "json_object"}, seed=3
+    )
+    if anyjson.choices[0].finish_reason == "stop":  # a whole object (60 tokens may cut it)
+        assert isinstance(json.loads(anyjson.choices[0].message.content), dict)
+    picked = await client.completions.create(
+        model=MODEL,
+        prompt="The sky is",
+        max_tokens=8,
+        extra_body={"guided_choice": ["blue", "red"]},
+    )
+    assert picked.choices[0].text in ("blue", "red")
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=ask,
+            response_format={"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}},
+        )
+    assert info.value.body["param"].startswith("response_format")

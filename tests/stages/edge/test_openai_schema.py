@@ -132,10 +132,10 @@ BAD: dict[str, list] = {
     "suffix": ["x", 1],
     "logit_bias": [{"1": 5}, "x", [1]],
     "response_format": [
-        {"type": "json_object"},
-        {"type": "json_schema", "json_schema": {}},
         {"type": "bogus"},
         "x",
+        {"type": "json_schema", "json_schema": {"name": ""}},
+        {"type": "json_schema", "json_schema": {"schema": "x"}},
     ],  # fmt: skip
     "tools": [[{"type": "function", "function": {"name": "f"}}], "x", {}],
     "tool_choice": ["auto", "required", {"type": "function"}, 1],
@@ -165,10 +165,10 @@ BAD: dict[str, list] = {
     "chat_template_kwargs": [{"enable_thinking": False}],
     "prompt_logprobs": [1, 0],
     "use_beam_search": [True],
-    "guided_json": [{"type": "object"}],
-    "guided_regex": ["a+"],
-    "guided_choice": [["a", "b"]],
-    "guided_grammar": ["root ::= 'a'"],
+    "guided_json": [1, ["x"], True],
+    "guided_regex": ["", 1, ["a"]],
+    "guided_choice": [[], "x", [""], [1]],
+    "guided_grammar": ["", 1, {}],
 }
 GENERIC = [None, True, False, 0, -1, 1, 1.5, 10**20, "", "x", [], [1], ["x"], {}, {"a": 1}]
 
@@ -231,10 +231,9 @@ def test_unknown_and_missing_parameters_are_named(endpoint):
 
 def test_refusals_say_why_and_what_is_allowed():
     with pytest.raises(RequestError) as info:
-        _chat(response_format={"type": "json_object"})
-    assert (info.value.code, info.value.field) == ("unsupported_parameter", "response_format")
-    assert "grammar-constrained decoding" in info.value.message
-    assert 'allowed: {"type": "text"}' in info.value.message
+        _chat(tools=[{"type": "function", "function": {"name": "f"}}])
+    assert (info.value.code, info.value.field) == ("unsupported_parameter", "tools")
+    assert "tool-call parsing" in info.value.message and "allowed: null or []" in info.value.message
     with pytest.raises(RequestError) as info:
         _chat(messages=[{"role": "tool", "content": "42", "tool_call_id": "c1"}])
     assert info.value.field == "messages[0].role"
