@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from tools import config
+
 COMMANDS = [
     "tools.up",
     "tools.stage",
@@ -63,29 +65,13 @@ def _usage(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-def _settings_ok(command: str) -> bool:
-    """Every setting parses (else each bad one is named, and the command does not start); an
-    unknown BRIGADE_* variable is a warning."""
-    from schemas import settings
-
-    found = settings.load()
-    for line in found.warnings():
-        print(f"brigade {command}: warning: {line}", file=sys.stderr)
-    try:
-        found.check()
-    except settings.InvalidSettings as err:
-        print(f"brigade {command}: {err}", file=sys.stderr)
-        return False
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         return _usage(parser)
-    if args.command != "config" and not _settings_ok(args.command):  # config says it itself
+    if args.command != "config" and config.checked(args.command) is None:  # config says it itself
         return 2
     if args.command == "bench":  # benchmarks build engines in-process: the kernel settings apply
         from stages.engine_params import configure_kernels

@@ -68,13 +68,22 @@ def run(args) -> int:
         args.readme.write_text(with_table(args.readme.read_text()))
         print(f"brigade config: wrote the settings table into {args.readme}", file=sys.stderr)
         return 0
-    found = settings.load()
-    for line in found.warnings():
-        print(f"brigade config: warning: {line}", file=sys.stderr)
-    try:
-        found.check()
-    except settings.InvalidSettings as err:
-        print(f"brigade config: {err}", file=sys.stderr)
+    found = checked("config")
+    if found is None:
         return 2
     print(describe(found, args.service))
     return 0
+
+
+def checked(command: str) -> settings.Settings | None:
+    """The settings, once every one parses (else each bad one is named on stderr and None comes
+    back: the command does not start); an unknown BRIGADE_* variable is a warning."""
+    found = settings.load()
+    for line in found.warnings():
+        print(f"brigade {command}: warning: {line}", file=sys.stderr)
+    try:
+        found.check()
+    except settings.InvalidSettings as err:
+        print(f"brigade {command}: {err}", file=sys.stderr)
+        return None
+    return found
