@@ -28,7 +28,7 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", dtype: str = "bfloat16", **engine_kwargs):
+    def __init__(self, model: str = "smollm2-135m", dtype: str = "float32", **engine_kwargs):
         self.engine = Engine(EngineConfig(model=model, dtype=dtype, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

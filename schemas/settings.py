@@ -257,7 +257,7 @@ SUMMARY_MAX_TOKENS = declare(Setting[int](
 
 # The engine
 DTYPE = declare(Setting[str](
-    name="BRIGADE_DTYPE", kind="str", default="bfloat16",
+    name="BRIGADE_DTYPE", kind="str", default="float32",
     choices=("float32", "bfloat16", "float16"),
     help="dtype of the engine's weights and KV cache",
     readers=("engine",),

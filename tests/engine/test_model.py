@@ -130,8 +130,9 @@ def test_chunked_prefill_mixed_with_decode_matches(fp32_model):
 
 
 def test_default_bf16_int4_decode_model_follows_the_reference():
-    """The fast default (bf16, int4 GEMVs for decode, dense prefill) is not garbage: a
-    high-margin continuation survives. Exactness is fp32's job; bf16 flips low-margin ties."""
+    """The fast bf16 path ("auto": int4 GEMVs for decode, dense prefill) is not garbage: a
+    high-margin continuation survives. Exactness is fp32's (the default's) job; bf16 flips
+    low-margin ties."""
     model, config = load_model("smollm2-135m", dtype="bfloat16")
     assert model.quantization == "int4-decode"
     runner = PagedRunner(model, config)

@@ -1,0 +1,54 @@
+"""The quality gate: a slice of `brigade bench quality` (512 corpus tokens, both paths) on which
+the default configuration must keep the targets against the plain fp32 reference: teacher-forced
+top-1 >= 99 % and mean KL <= 0.001, on the prefill path and on the decode path."""
+
+import pytest
+
+from engine.loader import load_model, read_gguf
+from engine.tokenizer import load_tokenizer
+from engine.weights import resolve_model
+from tools.bench.quality import (
+    DECODE_STREAMS,
+    TARGET_KL,
+    TARGET_TOP1,
+    _default_fields,
+    load_corpus,
+    teacher_forced,
+)
+from tools.bench.quality_forced import Reference, split_segments
+from tools.bench.quality_reference import ReferenceLlama
+
+MODEL = "smollm2-135m"
+NUM_TOKENS = 512
+
+
+@pytest.fixture(scope="module")
+def default_scores():
+    corpus = load_corpus(load_tokenizer(MODEL), NUM_TOKENS)
+    segments = split_segments(corpus, NUM_TOKENS // DECODE_STREAMS, None)
+    config, weights = read_gguf(resolve_model(MODEL))
+    ref = Reference(segments, config.vocab_size)
+    ref.fill(ReferenceLlama(config, weights), segments)
+    del weights
+    d = _default_fields()
+    model, _ = load_model(
+        MODEL,
+        dtype=d["dtype"],
+        quantization=d["quantization"],
+        batch_invariant=d["batch_invariant"],
+    )
+    try:
+        yield teacher_forced(model, ref, segments, spec_tokens=d["num_speculative_tokens"])
+    finally:
+        ref.close()
+
+
+@pytest.mark.parametrize("path", ["prefill", "decode"])
+def test_default_configuration_keeps_the_quality_targets(default_scores, path):
+    s = default_scores[path]
+    assert s["num_positions"] == NUM_TOKENS - DECODE_STREAMS
+    assert s["top1"] >= TARGET_TOP1, (
+        f"{path}: top-1 {100 * s['top1']:.2f} % < {100 * TARGET_TOP1:.0f} % against fp32; "
+        f"first flips (segment, position): {s['first_flips'][:5]}"
+    )
+    assert s["mean_kl"] <= TARGET_KL, f"{path}: mean KL {s['mean_kl']:.5f} > {TARGET_KL}"
