@@ -1,9 +1,12 @@
 """The compiled CPU paged-attention kernel (cpu_paged_attention.c), built once per machine.
 
 The system C compiler builds it into a per-user cache the first time it is needed (~0.3 s), keyed
-by the source, the flags and the CPU, and ctypes loads it. OpenMP in it binds to the libgomp torch
-has already loaded, so it shares torch's threads. No compiler, or BRIGADE_CPU_KERNEL=0: `load()`
-returns None and the engine uses torch's SDPA (kernels/cpu_sdpa_attention.py) instead.
+by the source, the flags and the machine, and ctypes loads it. Its instruction-set level (ISA_LEVELS:
+AVX512-BF16, AVX2 + FMA, or plain C) is chosen from the CPU's features at run time, never with
+-march=native, so it uses no instruction the CPU lacks (AMX included); KernelOptions.isa forces a
+lower one. OpenMP in it binds to the libgomp torch has already loaded, so it shares torch's threads.
+No compiler, or BRIGADE_CPU_KERNEL=0: `load()` returns None and the engine uses torch's SDPA
+(kernels/cpu_sdpa_attention.py) instead.
 """
 
 from __future__ import annotations
@@ -27,10 +30,27 @@ SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 # -ffast-math lets the compiler vectorize expf and reorder the fp32 sums; the kernel never
 # produces infinities or NaNs from finite inputs. Each later set drops what a compiler lacked.
 FLAG_SETS = (
-    ("-O3", "-march=native", "-ffast-math", "-fopenmp"),
     ("-O3", "-ffast-math", "-fopenmp"),
+    ("-O3", "-ffast-math", "-fopenmp-simd"),
     ("-O3", "-ffast-math"),
 )
+# Instruction-set levels, best first: the compiler flags of each on x86-64 and the /proc/cpuinfo
+# flags it needs. "none" is the x86-64 baseline (SSE2), or the compiler's default elsewhere.
+ISA_LEVELS = ("avx512bf16", "avx2", "none")
+_X86_ISA_FLAGS = {
+    "avx512bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16")
+    + ("-mavx2", "-mfma", "-mf16c"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "none": ("-march=x86-64",),
+}
+ISA_NEEDS = {
+    "avx512bf16": frozenset(
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx2", "fma", "f16c")
+    ),
+    "avx2": frozenset(("avx2", "fma", "f16c")),
+    "none": frozenset(),
+}
+_ISA_CODE = {"avx512bf16": 2, "avx2": 1, "none": 0}  # what the library's kernel_isa() returns
 log = logging.getLogger("brigade.kernels")
 
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -46,6 +66,11 @@ class KernelOptions:
     enabled: bool = True  # False: always the torch path
     compiler: str | None = None  # None: cc, else gcc
     cache_root: Path | None = None  # None: ~/.cache
+    isa: str | None = None  # one of ISA_LEVELS; None: the best this CPU has
+
+    def __post_init__(self) -> None:
+        if self.isa is not None and self.isa not in ISA_LEVELS:
+            raise ValueError(f"isa {self.isa!r} is not one of {', '.join(ISA_LEVELS)}")
 
 
 _options = KernelOptions()
@@ -63,17 +88,41 @@ def cache_dir() -> Path:
     return (_options.cache_root or Path.home() / ".cache") / "brigade" / "kernels"
 
 
-def _cpu_signature() -> str:
-    """What -march=native depends on: the machine and its CPU's feature flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()} {flags}"
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The feature flags of the first processor in a /proc/cpuinfo text (default: this CPU's).
+    Linux lists only what the kernel has enabled (a feature whose register state it does not
+    save is left out), so a listed flag can be used."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def best_isa(flags: frozenset[str], x86: bool = True) -> str:
+    """The best level whose features are all in `flags`; "none" off x86-64."""
+    if not x86:
+        return "none"
+    return next(level for level in ISA_LEVELS if ISA_NEEDS[level] <= flags)
+
+
+def isa_flags(level: str) -> tuple[str, ...]:
+    """Compiler flags of a level; off x86-64 every level is the compiler's default target."""
+    return _X86_ISA_FLAGS[level] if _is_x86() else ()
+
+
+def chosen_isa() -> str:
+    """The level `load()` builds: the forced one, else the best this CPU has."""
+    return _options.isa or best_isa(cpu_flags(), _is_x86())
 
 
 def _build(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
@@ -97,7 +146,7 @@ def build(compiler: str, flags: tuple[str, ...], errors: list[str]) -> ctypes.CD
     """Build (or find in the cache) and load the kernel with these flags; a failure is appended
     to `errors`."""
     parts = [SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode()]
-    key = hashlib.sha256(b"\0".join([*parts, _cpu_signature().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([*parts, platform.machine().encode()])).hexdigest()[:16]
     target = cache_dir() / f"cpu_paged_attention-{key}.so"
     try:
         if not target.exists():
@@ -111,7 +160,14 @@ def build(compiler: str, flags: tuple[str, ...], errors: list[str]) -> ctypes.CD
         return None
     fn = lib.paged_attention_bf16
     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    lib.kernel_isa.argtypes, lib.kernel_isa.restype = [], ctypes.c_int
     return lib
+
+
+def library_isa(lib: ctypes.CDLL) -> str:
+    """The level a loaded library was compiled for, as it reports itself."""
+    code = lib.kernel_isa()
+    return next(level for level, c in _ISA_CODE.items() if c == code)
 
 
 def compiler() -> str | None:
@@ -127,10 +183,25 @@ def load() -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler (cc/gcc, or $CC): CPU attention uses the torch path")
         return None
+    level = chosen_isa()
+    lacking = ISA_NEEDS[level] - cpu_flags() if _is_x86() else frozenset()
+    if lacking:  # only a forced level can get here
+        log.warning(
+            "the CPU kernel's isa %r needs CPU features this CPU lacks (%s); choose a lower one "
+            "(%s): CPU attention uses the torch path",
+            level,
+            ", ".join(sorted(lacking)),
+            ", ".join(ISA_LEVELS),
+        )
+        return None
     errors: list[str] = []
     for flags in FLAG_SETS:
-        lib = build(cc, flags, errors)
+        lib = build(cc, (*flags, *isa_flags(level)), errors)
         if lib is not None:
+            if library_isa(lib) != level:
+                errors.append(f"{' '.join(flags)}: built for {library_isa(lib)}, not {level}")
+                continue
+            log.info("CPU paged-attention kernel: %s (%s)", level, " ".join(isa_flags(level)))
             return lib
     log.warning(
         "could not build the CPU paged-attention kernel; using the torch path:\n%s",

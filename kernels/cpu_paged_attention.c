@@ -5,9 +5,16 @@
  * Work items are (query, KV head) pairs, shared by the OpenMP threads. Each item loads the
  * GQA group's queries once, scores every cached key (pass 1, over K), then accumulates V with
  * the softmax weights (pass 2, over V): each key and value row is read exactly once. All maths is
- * fp32 (with AVX512-BF16, the scores' bf16 products come from vdpbf16ps); the result is rounded to
- * the cache dtype once. An item's result depends only on its own query and keys, so a token's
- * output is the same whatever else shares the step and however its prompt was chunked.
+ * fp32; the result is rounded to the cache dtype once. An item's result depends only on its own
+ * query and keys, so a token's output is the same whatever else shares the step and however its
+ * prompt was chunked.
+ *
+ * Three instruction-set levels, chosen by the flags it is compiled with (kernels/cpu_attention.py
+ * picks them from the CPU it runs on) and reported by kernel_isa():
+ *   2  AVX512-BF16: the scores' bf16 products come from vdpbf16ps, straight from the cache (D = 64)
+ *   1  AVX2 + FMA:  keys widened 8 at a time to fp32 and scored with vfmadd (D a multiple of 8)
+ *   0  plain C:     loops the compiler vectorizes for whatever the target has
+ * Shapes a level has no special code for take the plain loops at that level.
  *
  * Layouts (row-major, strides in elements; bf16 stored as uint16):
  *   q      [T, H, D]           rows[i] is query i's row; it attends seq_lens[i] keys
@@ -20,7 +27,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define ISA_LEVEL 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ISA_LEVEL 1
+#else
+#define ISA_LEVEL 0
+#endif
+#if ISA_LEVEL > 0
 #include <immintrin.h>
 #endif
 
@@ -63,7 +77,7 @@ static inline __attribute__((always_inline)) void attend(
         for (int d = 0; d < D; ++d) qf[g][d] = bf16_to_f32(qrow[g * D + d]) * scale;
         max_score[g] = -FLT_MAX;
     }
-#if defined(__AVX512BF16__)
+#if ISA_LEVEL == 2
     if (D == 64) { /* bf16 pair dot products straight from the cache, no conversion */
         __m512bh qv[G][2];
         for (int g = 0; g < G; ++g)
@@ -82,6 +96,35 @@ static inline __attribute__((always_inline)) void attend(
                     __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0);
                     acc = _mm512_dpbf16_ps(acc, qv[g][1], k1);
                     const float s = _mm512_reduce_add_ps(acc) * scale;
+                    scores[(int64_t)g * len + t0 + t] = s;
+                    if (s > max_score[g]) max_score[g] = s;
+                }
+            }
+        }
+    } else
+#elif ISA_LEVEL == 1
+    if (D % 8 == 0) { /* fp32 FMA over keys widened from bf16, 8 lanes at a time */
+        for (int t0 = 0; t0 < len; t0 += block_size) {
+            const uint16_t *kb = k_cache + table[t0 / block_size] * block_stride;
+            const int m = len - t0 < block_size ? len - t0 : block_size;
+            if (t0 + block_size < len)
+                prefetch_block(k_cache, table, t0, block_size, block_stride, token_stride, D);
+            for (int t = 0; t < m; ++t) {
+                const uint16_t *krow = kb + t * token_stride;
+                __m256 sums[G];
+                for (int g = 0; g < G; ++g) sums[g] = _mm256_setzero_ps();
+                for (int d = 0; d < D; d += 8) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i *)(krow + d));
+                    const __m256 k8 = _mm256_castsi256_ps(
+                        _mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+                    for (int g = 0; g < G; ++g)
+                        sums[g] = _mm256_fmadd_ps(_mm256_loadu_ps(&qf[g][d]), k8, sums[g]);
+                }
+                for (int g = 0; g < G; ++g) {
+                    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(sums[g]),
+                                                   _mm256_extractf128_ps(sums[g], 1));
+                    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+                    const float s = _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
                     scores[(int64_t)g * len + t0 + t] = s;
                     if (s > max_score[g]) max_score[g] = s;
                 }
@@ -137,6 +180,9 @@ static inline __attribute__((always_inline)) void attend(
     for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) orow[g * D + d] = f32_to_bf16(acc[g][d] * inv_sum[g]);
 }
+
+/* The instruction-set level this library was compiled for (see the top of the file). */
+int kernel_isa(void) { return ISA_LEVEL; }
 
 int paged_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache,
                                  const uint16_t *v_cache, const int32_t *tables,

@@ -142,19 +142,71 @@ def test_an_unwritable_cache_falls_back_instead_of_failing(tmp_path, caplog):
     assert cpu_attention.available()
 
 
-def test_the_portable_build_gives_the_same_answers():
-    """Without -march=native (no AVX512-BF16 path): the plain C loops, same results."""
-    errors: list[str] = []
-    lib = cpu_attention.build(cpu_attention.compiler(), cpu_attention.FLAG_SETS[1], errors)
-    assert lib is not None, errors
-    lens = [1, 17, 300]
-    q, kc, vc, tables = make_case(lens, 9, 3, 64, seed=5)
-    rows = [0, 1, 2]
-    portable = run(q, kc, vc, tables, lens, rows, 0.125, lib=lib)
-    native = run(q, kc, vc, tables, lens, rows, 0.125)
-    want = expected(q, kc, vc, tables, lens, rows, 0.125)
-    torch.testing.assert_close(portable.float(), want.float(), **TOLERANCE[torch.bfloat16])
-    torch.testing.assert_close(portable.float(), native.float(), **TOLERANCE[torch.bfloat16])
+HERE = cpu_attention.cpu_flags()
+AMD_ZEN4 = "fpu sse2 avx avx2 fma f16c avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni"
+LEVEL_CPUS = {  # a flags line for each level, and one (Skylake-SP) whose AVX-512 has no BF16
+    "avx512bf16": AMD_ZEN4,
+    "avx2": "fpu sse2 avx avx2 fma f16c bmi2",
+    "none": "fpu sse2 sse4_2 avx",  # AVX without AVX2/FMA: the plain loops
+}
+
+
+@pytest.mark.parametrize("level", cpu_attention.ISA_LEVELS)
+def test_each_level_is_chosen_from_the_cpu_flags(level):
+    cpuinfo = f"processor\t: 0\nmodel name\t: test\nflags\t\t: {LEVEL_CPUS[level]}\n\n"
+    assert cpu_attention.best_isa(cpu_attention.cpu_flags(cpuinfo)) == level
+    skylake = frozenset("avx avx2 fma f16c avx512f avx512dq avx512bw avx512vl".split())
+    assert cpu_attention.best_isa(skylake) == "avx2"
+    assert cpu_attention.best_isa(frozenset(AMD_ZEN4.split()), x86=False) == "none"
+
+
+def forced(level: str):
+    """The library load() gives with `level` forced, or a skip where this CPU lacks it."""
+    if not cpu_attention.ISA_NEEDS[level] <= HERE and cpu_attention._is_x86():
+        pytest.skip(f"this CPU lacks {sorted(cpu_attention.ISA_NEEDS[level] - HERE)}")
+    cpu_attention.configure(KernelOptions(isa=level))
+    lib = cpu_attention.load()
+    assert lib is not None
+    return lib
+
+
+@pytest.mark.parametrize("level", cpu_attention.ISA_LEVELS)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),  # vdpbf16ps (D 64), AVX2 (D % 8 == 0), plain (D 20)
+    [(9, 3, 64), (8, 2, 128), (4, 2, 32), (6, 3, 20)],
+)
+def test_each_forced_level_matches_the_reference(level, num_heads, num_kv_heads, head_dim):
+    try:
+        lib = forced(level)
+        if cpu_attention._is_x86():
+            assert cpu_attention.library_isa(lib) == level  # the path it was asked for
+        lens = [1, 15, 17, 300, 1025]
+        q, kc, vc, tables = make_case(lens, num_heads, num_kv_heads, head_dim, seed=5, block_size=7)
+        rows, scale = list(range(len(lens))), head_dim**-0.5
+        out = run(q, kc, vc, tables, lens, rows, scale)
+        want = expected(q, kc, vc, tables, lens, rows, scale)
+        assert torch.isfinite(out.float()).all()
+        torch.testing.assert_close(out.float(), want.float(), **TOLERANCE[torch.bfloat16])
+        alone = run(q, kc, vc, tables, [lens[3]], [3], scale, seq_idx=[3])
+        assert torch.equal(alone[3], out[3])  # batch invariance holds at every level
+    finally:
+        cpu_attention.configure(KernelOptions())
+
+
+def test_a_forced_level_the_cpu_lacks_is_refused_not_run(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda cpuinfo=None: frozenset({"sse2"}))
+    monkeypatch.setattr(cpu_attention, "_is_x86", lambda: True)
+    cpu_attention.configure(KernelOptions(isa="avx2"))
+    try:
+        assert cpu_attention.chosen_isa() == "avx2"
+        assert cpu_attention.load() is None  # SIGILL avoided: the torch path instead
+        assert "needs CPU features this CPU lacks (avx2, f16c, fma)" in caplog.text
+        cpu_attention.configure(KernelOptions())
+        assert cpu_attention.chosen_isa() == "none"
+    finally:
+        cpu_attention.configure(KernelOptions())
+    with pytest.raises(ValueError, match="not one of avx512bf16, avx2, none"):
+        KernelOptions(isa="amx")
 
 
 def test_every_token_as_a_query_is_causal_attention_and_chunking_changes_no_bit():
