@@ -77,3 +77,52 @@ def test_batch_invariant_linear_computes_one_row_as_two():
         assert torch.equal(lin.forward(x), lin.inner.forward(x))
     with pytest.raises(ValueError, match="'int4-decode'; allowed with batch_invariant: None, int8"):
         make_linear(w, quantization="int4-decode", dtype=torch.bfloat16, batch_invariant=True)
+
+
+# torch picks the int4/int8 kernels' vector code by the CPU itself (ATen's per-capability
+# dispatch: AVX512, AVX2 or the plain DEFAULT build); ATEN_CPU_CAPABILITY caps it below what the
+# CPU has. Each capability must give the dense reference's answer.
+_CAPABILITY_CHECK = """
+import torch
+from engine.quant import Int4Linear, Int8Linear
+print(torch.backends.cpu.get_cpu_capability())
+g = torch.Generator().manual_seed(4)
+out_f, in_f = 48, 128
+codes = torch.randint(0, 16, (out_f, in_f // 32, 32), generator=g).float()
+codes[..., 0], codes[..., 1] = 0, 15
+scale = torch.rand(out_f, in_f // 32, 1, generator=g) * 0.01 + 0.001
+w = (codes * scale + torch.randn(out_f, in_f // 32, 1, generator=g) * 0.05).reshape(out_f, in_f)
+for rows in (1, 5, 33):  # the GEMV, a small and a larger GEMM
+    x = torch.randn(rows, in_f, generator=g)
+    torch.testing.assert_close(Int4Linear(w, torch.float32)(x), x @ w.t(), atol=1e-5, rtol=1e-5)
+    lin8 = Int8Linear(w, torch.bfloat16)
+    deq = (lin8.weight.float() * lin8.scales.float()[:, None]).bfloat16()
+    xb = x.bfloat16()
+    torch.testing.assert_close(lin8(xb), xb @ deq.t(), atol=2e-2, rtol=1.6e-2)
+    int4b = Int4Linear(w, torch.bfloat16)(xb)
+    torch.testing.assert_close(int4b, (xb.float() @ w.t()).bfloat16(), atol=3e-2, rtol=1.6e-2)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", None])  # None: what torch picks
+def test_quantized_linears_match_the_reference_at_each_cpu_capability(capability):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    native = torch.backends.cpu.get_cpu_capability()
+    if capability == "avx2" and native not in ("AVX2", "AVX512"):
+        pytest.skip(f"this CPU's capability is {native}, below AVX2")
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", _CAPABILITY_CHECK],
+        capture_output=True, text=True, timeout=300, env=env, cwd=root,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    reported, result = done.stdout.split()
+    assert reported == (capability or native).upper() and result == "ok"
