@@ -324,6 +324,12 @@ XDG_CACHE_HOME = declare(Setting[Path | None](
     help="cache root; the built CPU kernel lives in its brigade/kernels",
     readers=("engine", "bench"),
 ))  # fmt: skip
+LLAMA_CPP_DIR = declare(Setting[Path | None](
+    name="LLAMA_CPP_DIR", kind="path", default=None,
+    default_text="built from the llama-cpp-python sdist under $BRIGADE_DATA_DIR/llama.cpp",
+    help="a built llama.cpp (build/bin, bin or the folder itself) that `brigade bench peer` runs",
+    readers=("bench",),
+))  # fmt: skip
 _PRIORITY_WORDS = "idle, batch, batch:N, nice:N or normal (N in 0..19)"
 ENGINE_CPU_PRIORITY = declare(Setting[str](
     name="BRIGADE_ENGINE_CPU_PRIORITY", kind="str", default="batch:19",

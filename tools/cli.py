@@ -33,6 +33,7 @@ BENCH = [
     "tools.bench.load",
     "tools.bench.hops",
     "tools.bench.quality",
+    "tools.bench.peer",
 ]
 
 

@@ -117,6 +117,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_CPU_KERNEL": True,
         "CC": None,
         "XDG_CACHE_HOME": None,
+        "LLAMA_CPP_DIR": None,
         "BRIGADE_ENGINE_CPU_PRIORITY": "batch:19",
         "BRIGADE_BACKGROUND_CPU_PRIORITY": "batch:19",
         "BRIGADE_EDGE_HOST": "127.0.0.1",

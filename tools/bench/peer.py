@@ -1,0 +1,252 @@
+"""`brigade bench peer`: Brigade's engine and llama.cpp side by side on the same GGUF, in one run.
+
+Both sides are measured the same way: prefill of a 512-token prompt (llama-bench pp512),
+single-stream decode of 128 tokens from an empty context (tg128), and aggregate decode of 128
+tokens at 1, 8 and 32 streams after a 128-token prompt each, counting only decode steps
+(llama-batched-bench's S_TG = streams x 128 / decode time). llama.cpp comes from --llama-cpp-dir /
+LLAMA_CPP_DIR, or is built from the llama-cpp-python sdist under the data dir (tools/bench/
+llama_cpp.py); where it cannot be had, the run says why and measures Brigade alone.
+Writes peer.md and peer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+from tools.bench import llama_cpp
+from tools.bench.files import write_results
+
+N_PROMPT, N_GEN, N_PROMPT_BATCHED = 512, 128, 128
+STREAMS, STREAMS_QUICK = (1, 8, 32), (1, 8)
+# metric -> (what it is, the ratio Brigade / llama.cpp to reach, or None)
+METRICS = {
+    "pp512": ("prefill of 512 tokens, tok/s", 5.0),
+    "tg128": ("single-stream decode of 128 tokens, tok/s", 1.3),
+    "decode_1": ("decode, 1 stream after a 128-token prompt, tok/s", None),
+    "decode_8": ("decode, 8 streams together, total tok/s", 2.0),
+    "decode_32": ("decode, 32 streams together, total tok/s", 3.0),
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("peer", help="Brigade's engine vs llama.cpp, same GGUF, ratios")
+    p.add_argument("--model", default="smollm2-135m", help="a registered name or a .gguf file")
+    p.add_argument("--out", default=".brigade/bench", help="directory for peer.md/peer.json")
+    p.add_argument(
+        "--llama-cpp-dir",
+        type=Path,
+        default=None,
+        help="a built llama.cpp (default: $LLAMA_CPP_DIR, else built under the data dir)",
+    )
+    p.add_argument(
+        "--skip-build",
+        action="store_true",
+        help="never download or build llama.cpp: use --llama-cpp-dir or an earlier build",
+    )
+    p.add_argument("--quick", action="store_true", help="1 repetition, 1 and 8 streams")
+    p.add_argument("--threads", type=int, default=2, help="threads of both engines (-t)")
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=("auto", "none", "int8", "int4"),
+        help="Brigade's weights (auto: int4 for bf16 on the CPU)",
+    )
+    p.set_defaults(func=run)
+
+
+def find_llama_cpp(
+    llama_cpp_dir: Path | None, data_dir: Path, *, skip_build: bool
+) -> llama_cpp.Binaries:
+    """The binaries to run; Unavailable says why there are none."""
+    if llama_cpp_dir is not None:
+        found = llama_cpp.find(llama_cpp_dir)
+        if found is None:
+            raise llama_cpp.Unavailable(
+                f"no llama-bench and llama-batched-bench under {llama_cpp_dir} (looked in "
+                "build/bin, bin and the folder itself); build them, or unset LLAMA_CPP_DIR"
+            )
+        return found
+    if skip_build:
+        found = llama_cpp.cached(data_dir)
+        if found is None:
+            raise llama_cpp.Unavailable(
+                f"--skip-build and no earlier build under {llama_cpp.cache_root(data_dir)}; "
+                "give --llama-cpp-dir, or run without --skip-build to build it (~6 min, 2 cores)"
+            )
+        return found
+    return llama_cpp.build(data_dir, jobs=max(1, os.cpu_count() or 1))
+
+
+def skip_message(reason: str) -> str:
+    return f"llama.cpp is not available, so only Brigade is measured: {reason}"
+
+
+def brigade_prefill(engine, n_prompt: int, repetitions: int) -> float:
+    """Mean tok/s of one prompt's prefill, as llama-bench's pp averages its repetitions."""
+    from engine import SamplingParams
+
+    rng, vocab = random.Random(1), engine.model_config.vocab_size
+    rates = []
+    for r in range(repetitions + 1):  # the first warms up
+        ids = [rng.randrange(3, vocab) for _ in range(n_prompt)]
+        engine.add_request(f"pp{r}", ids, SamplingParams(temperature=0.0, max_tokens=1))
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        if r:
+            rates.append(n_prompt / (time.perf_counter() - t))
+    return statistics.fmean(rates)
+
+
+def brigade_decode(engine, streams: int, n_prompt: int, n_gen: int, seed: int = 0) -> float:
+    """Total decode tok/s of `streams` sequences, each with its own n_prompt-token prompt: all
+    are prefilled first (untimed), then n_gen steps of one token per stream are timed."""
+    from engine import SamplingParams
+
+    rng, vocab = random.Random(seed), engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=2 * n_gen + 16, ignore_eos=True)
+    request_ids = [f"tg{seed}-{streams}-{i}" for i in range(streams)]
+    for rid in request_ids:
+        engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(n_prompt)], params)
+    started: set[str] = set()
+    while len(started) < streams:  # prefill every prompt (and whatever decodes ride along)
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    tokens, t = 0, time.perf_counter()
+    for _ in range(n_gen):
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    elapsed = time.perf_counter() - t
+    for rid in request_ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert tokens == streams * n_gen, f"{tokens} tokens in {n_gen} steps of {streams} streams"
+    return tokens / elapsed
+
+
+def measure_brigade(engine, streams: tuple[int, ...], repetitions: int) -> dict[str, float]:
+    res = {"pp512": brigade_prefill(engine, N_PROMPT, repetitions)}
+    brigade_decode(engine, 1, 1, 8)  # warm-up
+    res["tg128"] = statistics.fmean(
+        brigade_decode(engine, 1, 1, N_GEN, seed=r) for r in range(repetitions)
+    )
+    for b in streams:
+        brigade_decode(engine, b, N_PROMPT_BATCHED, 4, seed=100 + b)  # warm-up of the shapes
+        res[f"decode_{b}"] = brigade_decode(engine, b, N_PROMPT_BATCHED, N_GEN, seed=b)
+    return res
+
+
+def measure_llama_cpp(
+    binaries: llama_cpp.Binaries, gguf: Path, threads: int, streams: tuple[int, ...], reps: int
+) -> dict[str, float]:
+    bench = llama_cpp.run_llama_bench(
+        binaries.bench, gguf, threads=threads, repetitions=reps, n_prompt=N_PROMPT, n_gen=N_GEN
+    )
+    res = {"pp512": bench[f"pp{N_PROMPT}"], "tg128": bench[f"tg{N_GEN}"]}
+    batched = llama_cpp.run_batched_bench(
+        binaries.batched_bench,
+        gguf,
+        threads=threads,
+        streams=streams,
+        n_prompt=N_PROMPT_BATCHED,
+        n_gen=N_GEN,
+    )
+    res.update({f"decode_{b}": batched[b]["s_tg"] for b in streams})
+    return res
+
+
+def ratio_rows(brigade: dict[str, float], llama: dict[str, float] | None) -> list[dict]:
+    """One row per metric Brigade measured: both figures, Brigade / llama.cpp and its target."""
+    rows = []
+    for name, (what, target) in METRICS.items():
+        if name not in brigade:
+            continue
+        peer = None if llama is None else llama.get(name)
+        ratio = None if not peer else brigade[name] / peer
+        rows.append(
+            {
+                "metric": name,
+                "what": what,
+                "brigade": round(brigade[name], 1),
+                "llama_cpp": None if peer is None else round(peer, 1),
+                "ratio": None if ratio is None else round(ratio, 2),
+                "target": target,
+                "meets_target": None if ratio is None or target is None else ratio >= target,
+            }
+        )
+    return rows
+
+
+def markdown(res: dict) -> str:
+    lines = [
+        f"# Brigade vs llama.cpp on {res['gguf']}",
+        "",
+        f"{res['threads']} threads; load average at start {res['load_average_at_start']}"
+        + ("; quick run" if res["quick"] else ""),
+        "",
+        "| metric | llama.cpp | Brigade | Brigade / llama.cpp | target | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        peer = "—" if r["llama_cpp"] is None else f"{r['llama_cpp']:,.1f}"
+        ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        target = "—" if r["target"] is None else f">= {r['target']:g}x"
+        verdict = {True: "pass", False: "FAIL", None: ""}[r["meets_target"]]
+        lines.append(
+            f"| {r['what']} | {peer} | {r['brigade']:,.1f} | {ratio} | {target} | {verdict} |"
+        )
+    if res["llama_cpp_skipped"]:
+        lines += ["", skip_message(res["llama_cpp_skipped"])]
+    elif res["llama_cpp_build_flags"]:
+        lines += ["", f"llama.cpp built with `{' '.join(res['llama_cpp_build_flags'])}`"]
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine import Engine, EngineConfig
+    from engine.weights import model_format, resolve_model
+    from schemas import settings
+
+    gguf = resolve_model(args.model)
+    streams, reps = (STREAMS_QUICK, 1) if args.quick else (STREAMS, 5)
+    res: dict = {
+        "model": args.model,
+        "gguf": gguf.name,
+        "threads": args.threads,
+        "quick": args.quick,
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "llama_cpp_skipped": None,
+        "llama_cpp_build_flags": [],
+    }
+    llama = None
+    try:
+        if model_format(gguf) != "gguf":
+            raise llama_cpp.Unavailable(f"{args.model} is not a GGUF file, which llama.cpp needs")
+        binaries = find_llama_cpp(
+            args.llama_cpp_dir or settings.LLAMA_CPP_DIR.get(),
+            settings.DATA_DIR.get(),
+            skip_build=args.skip_build,
+        )
+        res["llama_cpp_build_flags"] = list(binaries.build_flags)
+        print(f"llama.cpp: llama-bench and llama-batched-bench from {binaries.bench.parent}")
+        llama = measure_llama_cpp(binaries, gguf, args.threads, streams, reps)
+    except (llama_cpp.Unavailable, RuntimeError) as err:
+        res["llama_cpp_skipped"] = str(err)
+        print(f"brigade bench peer: {skip_message(str(err))}", flush=True)
+    torch.set_num_threads(args.threads)
+    quantization = None if args.quantization == "none" else args.quantization
+    engine = Engine(EngineConfig(model=args.model, dtype="bfloat16", quantization=quantization))
+    res["quantization"] = getattr(engine.model, "quantization", None)
+    print("Brigade: prefill, single-stream and batched decode ...", flush=True)
+    brigade = measure_brigade(engine, streams, reps)
+    res["brigade"] = {k: round(v, 1) for k, v in brigade.items()}
+    res["llama_cpp"] = None if llama is None else {k: round(v, 1) for k, v in llama.items()}
+    res["rows"] = ratio_rows(brigade, llama)
+    write_results(args.out, "peer", res, markdown(res))
+    return 0
