@@ -182,10 +182,11 @@ def ratio_rows(brigade: dict[str, float], llama: dict[str, float] | None) -> lis
 
 
 def markdown(res: dict) -> str:
+    threads, load = res["threads"], res["load_average_at_start"]
     lines = [
         f"# Brigade vs llama.cpp on {res['gguf']}",
         "",
-        f"{res['threads']} threads; load average at start {res['load_average_at_start']}"
+        f"{threads} thread{'s' if threads != 1 else ''}; load average at start {load}"
         + ("; quick run" if res["quick"] else ""),
         "",
         "| metric | llama.cpp | Brigade | Brigade / llama.cpp | target | |",
@@ -199,6 +200,11 @@ def markdown(res: dict) -> str:
         lines.append(
             f"| {r['what']} | {peer} | {r['brigade']:,.1f} | {ratio} | {target} | {verdict} |"
         )
+    if load[0] > threads:
+        lines += [
+            "",
+            "The machine was busy (load average above the threads): a smoke run, not figures to quote.",
+        ]
     if res["llama_cpp_skipped"]:
         lines += ["", skip_message(res["llama_cpp_skipped"])]
     elif res["llama_cpp_build_flags"]:

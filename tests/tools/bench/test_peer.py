@@ -229,6 +229,11 @@ def test_the_table_prints_ratios_targets_and_verdicts():
         table
     )
     assert "built with `-DGGML_NATIVE=OFF`" in table
+    assert "2 threads; load average at start [0.1, 0.2, 0.3]" in table
+    assert "busy" not in table
+    busy = peer.markdown({**result(LLAMA), "threads": 1, "load_average_at_start": [4.8, 4, 4]})
+    assert "1 thread; load average" in busy
+    assert "The machine was busy (load average above the threads)" in busy
 
 
 def test_without_llama_cpp_the_table_says_why_and_shows_brigade_alone(tmp_path):
