@@ -1,10 +1,11 @@
 """The compiled CPU paged-attention kernel (cpu_paged_attention.c), built once per machine.
 
 The system C compiler builds it into a per-user cache the first time it is needed (~0.3 s), keyed
-by the source, the flags and the machine, and ctypes loads it. Its instruction-set level (ISA_LEVELS:
-AVX512-BF16, AVX2 + FMA, or plain C) is chosen from the CPU's features at run time, never with
--march=native, so it uses no instruction the CPU lacks (AMX included); KernelOptions.isa forces a
-lower one. OpenMP in it binds to the libgomp torch has already loaded, so it shares torch's threads.
+by the source, the flags and the machine, and ctypes loads it. Its instruction-set level
+(ISA_LEVELS: AVX512-BF16, AVX2 + FMA, or plain C) is chosen from the CPU's features at run time,
+never with -march=native, so it uses no instruction the CPU lacks (AMX included);
+KernelOptions.isa forces a lower one. OpenMP in it binds to the libgomp torch has already
+loaded, so it shares torch's threads.
 No compiler, or BRIGADE_CPU_KERNEL=0: `load()` returns None and the engine uses torch's SDPA
 (kernels/cpu_sdpa_attention.py) instead.
 """
@@ -13,18 +14,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
 import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from kernels.cbuild import build_library, cpu_flags
+from kernels.cbuild import is_x86 as _is_x86
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 # -ffast-math lets the compiler vectorize expf and reorder the fp32 sums; the kernel never
@@ -88,26 +87,6 @@ def cache_dir() -> Path:
     return (_options.cache_root or Path.home() / ".cache") / "brigade" / "kernels"
 
 
-def _is_x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64")
-
-
-def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The feature flags of the first processor in a /proc/cpuinfo text (default: this CPU's).
-    Linux lists only what the kernel has enabled (a feature whose register state it does not
-    save is left out), so a listed flag can be used."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return frozenset()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
-
-
 def best_isa(flags: frozenset[str], x86: bool = True) -> str:
     """The best level whose features are all in `flags`; "none" off x86-64."""
     if not x86:
@@ -125,38 +104,11 @@ def chosen_isa() -> str:
     return _options.isa or best_isa(cpu_flags(), _is_x86())
 
 
-def _build(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """Compile into `target` atomically; -> None, or the compiler's complaint."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [compiler, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            return done.stderr.strip()[-500:] or f"exit status {done.returncode}"
-        os.replace(tmp, target)  # concurrent builders each write their own file first
-        return None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def build(compiler: str, flags: tuple[str, ...], errors: list[str]) -> ctypes.CDLL | None:
     """Build (or find in the cache) and load the kernel with these flags; a failure is appended
     to `errors`."""
-    parts = [SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode()]
-    key = hashlib.sha256(b"\0".join([*parts, platform.machine().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"cpu_paged_attention-{key}.so"
-    try:
-        if not target.exists():
-            err = _build(compiler, flags, target)
-            if err is not None:
-                errors.append(f"{' '.join(flags)}: {err}")
-                return None
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as err:  # unwritable cache, odd compiler
-        errors.append(f"{' '.join(flags)}: {err}")
+    lib = build_library(SOURCE, compiler, flags, cache_dir(), errors)
+    if lib is None:
         return None
     fn = lib.paged_attention_bf16
     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int

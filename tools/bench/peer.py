@@ -201,10 +201,8 @@ def markdown(res: dict) -> str:
             f"| {r['what']} | {peer} | {r['brigade']:,.1f} | {ratio} | {target} | {verdict} |"
         )
     if load[0] > threads:
-        lines += [
-            "",
-            "The machine was busy (load average above the threads): a smoke run, not figures to quote.",
-        ]
+        busy = "The machine was busy (load average above the threads): a smoke run, not figures"
+        lines += ["", f"{busy} to quote."]
     if res["llama_cpp_skipped"]:
         lines += ["", skip_message(res["llama_cpp_skipped"])]
     elif res["llama_cpp_build_flags"]:
