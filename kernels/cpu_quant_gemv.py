@@ -1,0 +1,238 @@
+"""fp32 GEMVs over GGUF Q4_1 / Q8_0 blocks (cpu_quant_gemv.c), built once per machine.
+
+`quant_gemv(x, blocks, kind)` is x [rows <= 8, in] fp32 times the weight the blocks hold,
+transposed: each weight is rebuilt in registers to exactly the value `gguf` dequantizes it to,
+activations and sums stay fp32, so the result is the fp32 matmul's up to summation order while
+reading 0.625 (Q4_1) / 1.0625 (Q8_0) bytes a weight instead of 4. The build (cache, compiler,
+flags) is kernels/cbuild.py's; the instruction-set level (ISA_LEVELS) is chosen from the CPU's
+features at run time, GemvOptions.isa forces a lower one. `quant_gemv_reference` is the slow
+pure-torch definition. No compiler, or `enabled=False`: `load()` returns None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from kernels.cbuild import build_library, cpu_flags, is_x86
+
+SOURCE = Path(__file__).with_name("cpu_quant_gemv.c")
+BlockKind = Literal["q4_1", "q8_0"]
+BLOCK_SIZE = 32  # weights per block
+BLOCK_BYTES: dict[str, int] = {"q4_1": 20, "q8_0": 34}  # fp16 d (+ fp16 m), then the codes
+MAX_ROWS = 8
+# -ffast-math lets the plain-C level vectorize its sums (reordering them); the weights are
+# rebuilt with one exact rounding whatever the flags. Each later set drops what a compiler lacked.
+FLAG_SETS = (
+    ("-O3", "-ffast-math", "-fopenmp"),
+    ("-O3", "-ffast-math", "-fopenmp-simd"),
+    ("-O3", "-ffast-math"),
+)
+ISA_LEVELS = ("avx512", "avx2", "none")
+_X86_ISA_FLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "none": ("-march=x86-64",),
+}
+ISA_NEEDS = {
+    "avx512": frozenset(("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c")),
+    "avx2": frozenset(("avx2", "fma", "f16c")),
+    "none": frozenset(),
+}
+_ISA_CODE = {"avx512": 2, "avx2": 1, "none": 0}  # what the library's kernel_isa() returns
+log = logging.getLogger("brigade.kernels")
+
+_i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemvOptions:
+    """How `load()` gets the kernel; the engine stage fills these from schemas.settings."""
+
+    enabled: bool = True  # False: load() gives None (the engine's dense fp32 path)
+    compiler: str | None = None  # None: cc, else gcc
+    cache_root: Path | None = None  # None: ~/.cache
+    isa: str | None = None  # one of ISA_LEVELS; None: the best this CPU has
+
+    def __post_init__(self) -> None:
+        if self.isa is not None and self.isa not in ISA_LEVELS:
+            raise ValueError(f"isa {self.isa!r} is not one of {', '.join(ISA_LEVELS)}")
+
+
+_options = GemvOptions()
+
+
+def configure(options: GemvOptions) -> None:
+    """Use `options` from now on, forgetting the kernel loaded under the previous ones."""
+    global _options
+    if options != _options:
+        _options = options
+        load.cache_clear()
+
+
+def cache_dir() -> Path:
+    return (_options.cache_root or Path.home() / ".cache") / "brigade" / "kernels"
+
+
+def best_isa(flags: frozenset[str], x86: bool = True) -> str:
+    """The best level whose features are all in `flags`; "none" off x86-64."""
+    if not x86:
+        return "none"
+    return next(level for level in ISA_LEVELS if ISA_NEEDS[level] <= flags)
+
+
+def chosen_isa() -> str:
+    """The level `load()` builds: the forced one, else the best this CPU has."""
+    return _options.isa or best_isa(cpu_flags(), is_x86())
+
+
+def library_isa(lib: ctypes.CDLL) -> str:
+    """The level a loaded library was compiled for, as it reports itself."""
+    code = lib.kernel_isa()
+    return next(level for level, c in _ISA_CODE.items() if c == code)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None when it cannot be had here (never raises)."""
+    if not _options.enabled:
+        return None
+    cc = _options.compiler or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler (cc/gcc, or $CC): fp32 GGUF linears use dense weights")
+        return None
+    level = chosen_isa()
+    x86 = is_x86()
+    lacking = ISA_NEEDS[level] - cpu_flags() if x86 else frozenset()
+    if lacking:  # only a forced level can get here
+        log.warning(
+            "the quantized GEMV's isa %r needs CPU features this CPU lacks (%s); choose one of "
+            "%s: fp32 GGUF linears use dense weights",
+            level,
+            ", ".join(sorted(lacking)),
+            ", ".join(ISA_LEVELS),
+        )
+        return None
+    isa_flags = _X86_ISA_FLAGS[level] if x86 else ()
+    errors: list[str] = []
+    for flags in FLAG_SETS:
+        lib = build_library(SOURCE, cc, (*flags, *isa_flags), cache_dir(), errors)
+        if lib is None:
+            continue
+        for fn in (lib.gemv_q4_1, lib.gemv_q8_0):
+            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+        lib.kernel_isa.argtypes, lib.kernel_isa.restype = [], ctypes.c_int
+        if library_isa(lib) != level:
+            errors.append(f"{' '.join(flags)}: built for {library_isa(lib)}, not {level}")
+            continue
+        log.info("CPU quantized GEMV kernel: %s (%s)", level, " ".join(isa_flags))
+        return lib
+    log.warning(
+        "could not build the CPU quantized GEMV kernel; fp32 GGUF linears use dense weights:\n%s",
+        "\n".join(errors),
+    )
+    return None
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def check_blocks(blocks: Tensor, kind: str, in_features: int) -> None:
+    """`blocks` must be [out, in / 32 * block_bytes] contiguous uint8 on the CPU."""
+    if kind not in BLOCK_BYTES:
+        raise ValueError(f"block kind {kind!r}; allowed: {', '.join(BLOCK_BYTES)}")
+    if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" or blocks.dim() != 2:
+        raise ValueError(
+            f"blocks must be a 2-D uint8 CPU tensor, got {blocks.dtype} {tuple(blocks.shape)} "
+            f"on {blocks.device}"
+        )
+    if in_features % BLOCK_SIZE:
+        raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK_SIZE}")
+    row_bytes = in_features // BLOCK_SIZE * BLOCK_BYTES[kind]
+    if blocks.shape[1] != row_bytes:
+        raise ValueError(
+            f"{kind} blocks of {in_features} inputs take {row_bytes} bytes a row, "
+            f"got {blocks.shape[1]}"
+        )
+    if not blocks.is_contiguous():
+        raise ValueError("blocks must be contiguous")
+
+
+def quant_gemv(
+    x: Tensor,  # [rows, in] fp32, rows in 1..MAX_ROWS; each row contiguous (rows may be strided)
+    blocks: Tensor,  # [out, in / 32 * block_bytes] uint8, contiguous
+    kind: BlockKind,
+    out: Tensor | None = None,  # [rows, out] fp32, rows contiguous; default: a new tensor
+    lib: ctypes.CDLL | None = None,  # default: load()
+) -> Tensor:
+    """x @ W.T for the weight W [out, in] that `blocks` hold, in fp32 -> [rows, out]."""
+    lib = lib or load()
+    if lib is None:
+        raise RuntimeError("the CPU quantized GEMV kernel is not available (see the log)")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        raise ValueError(
+            f"x must be a 2-D float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    rows, in_features = x.shape
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"{rows} rows; the kernel takes 1 to {MAX_ROWS} (use a GEMM above)")
+    if x.stride(1) != 1:
+        raise ValueError("x's rows must be contiguous")
+    check_blocks(blocks, kind, in_features)
+    out_features = blocks.shape[0]
+    if out is None:
+        out = torch.empty(rows, out_features, dtype=torch.float32)
+    elif (
+        out.dtype != torch.float32
+        or tuple(out.shape) != (rows, out_features)
+        or (out.stride(1) != 1 or out.device.type != "cpu")
+    ):
+        raise ValueError(
+            f"out must be a [{rows}, {out_features}] float32 CPU tensor, rows contiguous"
+        )
+    fn = lib.gemv_q4_1 if kind == "q4_1" else lib.gemv_q8_0
+    status = fn(
+        blocks.data_ptr(),
+        out_features,
+        in_features,
+        x.data_ptr(),
+        x.stride(0),
+        rows,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    assert status == 0, f"gemv_{kind} refused a shape the wrapper checked: {tuple(x.shape)}"
+    return out
+
+
+def dequantize(blocks: Tensor, kind: BlockKind) -> Tensor:
+    """The fp32 weight [out, in] that GGUF blocks [out, bytes] hold, as the `gguf` package
+    computes it: Q4_1 d * q + m (q[i] the low nibble of byte i, q[i + 16] its high nibble),
+    Q8_0 d * q."""
+    out_features = blocks.shape[0]
+    b = blocks.reshape(out_features, -1, BLOCK_BYTES[kind])  # [out, in / 32, block_bytes]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [out, in / 32, 1]
+    if kind == "q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()  # [out, in / 32, 32]
+        return (q * d).reshape(out_features, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    qs = b[..., 4:]  # [out, in / 32, 16]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [out, in / 32, 32]
+    return (d * q + m).reshape(out_features, -1)
+
+
+def quant_gemv_reference(x: Tensor, blocks: Tensor, kind: BlockKind) -> Tensor:
+    """The slow definition: dequantize to fp32, then an fp32 matmul."""
+    check_blocks(blocks, kind, x.shape[1])
+    return x.float() @ dequantize(blocks, kind).t()
