@@ -47,6 +47,9 @@ class EngineConfig:
     quantization: str | None = "auto"
     # bit-identical logits for a token whatever shares its step (bf16 on the CPU; see loader)
     batch_invariant: bool = False
+    # fp32 GGUF on the CPU: steps of <= 8 rows read the file's Q4_1 / Q8_0 blocks (the same fp32
+    # weights, a sixth of the bytes; engine/gguf_linear.py); False: dense fp32 at every step
+    quantized_gemv: bool = True
     # reuse the K/V of full blocks a prompt shares with earlier ones (see block_manager.py)
     enable_prefix_caching: bool = False
     # speculative decoding with the n-gram proposer (spec_decode.py): draft tokens per step for
@@ -114,6 +117,7 @@ class Engine:
             device=self.device,
             quantization=config.quantization,
             batch_invariant=config.batch_invariant,
+            quantized_gemv=config.quantized_gemv,
         )
         self.tokenizer = load_tokenizer(config.model)
         limit = self.model_config.max_position_embeddings

@@ -1,7 +1,8 @@
 """load_model: a GGUF file or a Hugging Face safetensors directory -> LlamaForCausalLM.
 
 GGUF tensors are dequantized with the `gguf` package and renamed to Hugging Face's names;
-attn_q / attn_k are un-permuted from llama.cpp's interleaved RoPE layout to rotate-half.
+attn_q / attn_k are un-permuted from llama.cpp's interleaved RoPE layout to rotate-half. For
+fp32 on the CPU the Q4_1 / Q8_0 tensors' raw blocks are kept too (engine/gguf_linear.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import torch
 from torch import Tensor
 
 from engine.config import ModelConfig
+from engine.gguf_linear import GGUFBlocks
 from engine.model import LlamaForCausalLM
 from engine.quant import QUANTIZATIONS, Quantization
 from engine.weights import model_format, read_gguf_header, resolve_model
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_quant_gemv
 
 QuantizationArg = Quantization | Literal["auto"] | None
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,6 +97,7 @@ def load_model(
     device: str | torch.device = "cpu",
     quantization: QuantizationArg = "auto",
     batch_invariant: bool = False,
+    quantized_gemv: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a registered name, a .gguf path or an HF directory onto `device` in `dtype`.
 
@@ -102,6 +105,9 @@ def load_model(
     CPU); "int8-decode" / "int4-decode" (weight-only for steps of at most 8 rows, dense above);
     "auto" (see resolve_quantization). batch_invariant: a token's logits are bit-identical
     whatever shares its step and however its prompt was chunked (bf16 on the CPU only).
+    quantized_gemv: an fp32 GGUF model on the CPU with dense weights keeps its Q4_1 / Q8_0
+    blocks and runs steps of at most 8 rows on the block GEMV (the same weights, fewer bytes);
+    without a C compiler, or for safetensors, the dense fp32 path.
     """
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -112,10 +118,14 @@ def load_model(
     if batch_invariant:
         check_batch_invariant(dtype, device)
     path = resolve_model(model)
+    blocks = None
     if model_format(path) == "hf":
         config, weights = read_hf_dir(path)
     else:
         config, weights = read_gguf(path)
+        fp32_dense_cpu = dtype == torch.float32 and quant is None and device.type == "cpu"
+        if quantized_gemv and fp32_dense_cpu and cpu_quant_gemv.available():
+            blocks = read_gguf_blocks(path, config)
     weights = {k: w.to(device) for k, w in weights.items()}
     llama = LlamaForCausalLM(
         config,
@@ -124,6 +134,7 @@ def load_model(
         device=device,
         quantization=quant,
         batch_invariant=batch_invariant,
+        blocks=blocks,
     )
     return llama, config
 
@@ -158,6 +169,39 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Tensor]]:
             weights[attn + "k_proj.weight"], config.num_kv_heads
         )
     return config, weights
+
+
+_BLOCK_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGML type name -> cpu_quant_gemv kind
+
+
+def read_gguf_blocks(path: Path, config: ModelConfig) -> dict[str, GGUFBlocks]:
+    """The raw blocks of a GGUF file's Q4_1 / Q8_0 matrices (HF names, HF RoPE layout): each
+    [out, in / 32 * block_bytes] uint8, attn_q / attn_k rows un-permuted as read_gguf does."""
+    import gguf
+
+    header = read_gguf_header(path)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    blocks: dict[str, GGUFBlocks] = {}
+    for info in header.tensors.values():
+        qtype = gguf.GGMLQuantizationType(info.ggml_type)
+        if qtype.name not in _BLOCK_KINDS or len(info.shape) != 2:
+            continue
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        out_features, in_features = info.shape
+        num_bytes = out_features * in_features // block * type_size
+        rows = np.array(raw[info.offset : info.offset + num_bytes]).reshape(out_features, -1)
+        blocks[_gguf_to_hf_name(info.name)] = GGUFBlocks(
+            _BLOCK_KINDS[qtype.name], torch.from_numpy(rows)
+        )
+    for i in range(config.num_layers):
+        attn = f"model.layers.{i}.self_attn."
+        for name, num_heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+            found = blocks.get(f"{attn}{name}.weight")
+            if found is not None:  # whole rows of blocks move, as rows of weights do
+                blocks[f"{attn}{name}.weight"] = GGUFBlocks(
+                    found.kind, _unpermute(found.data, num_heads)
+                )
+    return blocks
 
 
 def _gguf_to_hf_name(name: str) -> str:

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from engine.attention import AttentionMetadata, AttentionPlan, paged_attend, prepare_attention
 from engine.config import ModelConfig
+from engine.gguf_linear import GGUFBlocks, concat_blocks, with_blocks
 from engine.quant import Quantization, make_linear
 
 
@@ -37,6 +38,7 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         quantization: Quantization | None,
         batch_invariant: bool = False,
+        blocks: dict[str, GGUFBlocks] | None = None,  # this layer's GGUF blocks (fp32 decode)
     ) -> None:
         super().__init__()
         c = config
@@ -48,10 +50,15 @@ class DecoderLayer(nn.Module):
         qkv = torch.cat([weights[f"{attn}{n}_proj.weight"] for n in "qkv"])  # [q+2kv, hidden]
         gate_up = torch.cat([weights[f"{mlp}gate_proj.weight"], weights[f"{mlp}up_proj.weight"]])
         lin = {"dtype": dtype, "quantization": quantization, "batch_invariant": batch_invariant}
-        self.qkv_proj = make_linear(qkv, **lin)
-        self.o_proj = make_linear(weights[f"{attn}o_proj.weight"], **lin)
-        self.gate_up_proj = make_linear(gate_up, **lin)
-        self.down_proj = make_linear(weights[f"{mlp}down_proj.weight"], **lin)
+        b = blocks or {}
+        qkv_blocks = concat_blocks([b.get(f"{attn}{n}_proj.weight") for n in "qkv"])
+        gate_up_blocks = concat_blocks([b.get(f"{mlp}{n}_proj.weight") for n in ("gate", "up")])
+        self.qkv_proj = with_blocks(make_linear(qkv, **lin), qkv_blocks)
+        o_blocks, down_blocks = b.get(f"{attn}o_proj.weight"), b.get(f"{mlp}down_proj.weight")
+        self.o_proj = with_blocks(make_linear(weights[f"{attn}o_proj.weight"], **lin), o_blocks)
+        self.gate_up_proj = with_blocks(make_linear(gate_up, **lin), gate_up_blocks)
+        down = make_linear(weights[f"{mlp}down_proj.weight"], **lin)
+        self.down_proj = with_blocks(down, down_blocks)
         self.input_norm = nn.Parameter(weights["input_layernorm.weight"].to(dtype), False)
         self.post_attn_norm = nn.Parameter(
             weights["post_attention_layernorm.weight"].to(dtype), False
@@ -91,6 +98,7 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device,
         quantization: Quantization | None = None,
         batch_invariant: bool = False,  # linears that ignore the row count (engine/loader.py)
+        blocks: dict[str, GGUFBlocks] | None = None,  # GGUF blocks by HF name (gguf_linear.py)
     ) -> None:
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, device
@@ -101,6 +109,9 @@ class LlamaForCausalLM(nn.Module):
         for i in range(config.num_layers):
             prefix = f"model.layers.{i}."
             own = {k[len(prefix) :]: w for k, w in weights.items() if k.startswith(prefix)}
+            own_blocks = {
+                k[len(prefix) :]: v for k, v in (blocks or {}).items() if k.startswith(prefix)
+            }
             self.layers.append(
                 DecoderLayer(
                     config,
@@ -108,15 +119,20 @@ class LlamaForCausalLM(nn.Module):
                     dtype=dtype,
                     quantization=quantization,
                     batch_invariant=batch_invariant,
+                    blocks=own_blocks,
                 )
             )
         self.norm = nn.Parameter(weights["model.norm.weight"].to(dtype), requires_grad=False)
-        head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        head = weights[head_name]
         # The head stays at 8 bits under int4: int4 there (of a Q8_0 embedding) changed greedy
         # continuations within a few tokens, int4 layers with an 8-bit head kept them.
         head_quant = {"int4": "int8", "int4-decode": "int8-decode"}.get(quantization, quantization)
-        self.lm_head = make_linear(
-            head, dtype=dtype, quantization=head_quant, batch_invariant=batch_invariant
+        self.lm_head = with_blocks(
+            make_linear(
+                head, dtype=dtype, quantization=head_quant, batch_invariant=batch_invariant
+            ),
+            (blocks or {}).get(head_name),
         )
         cos, sin = rope_tables(config, device)
         half = config.head_dim // 2

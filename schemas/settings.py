@@ -309,6 +309,11 @@ NUM_SPECULATIVE_TOKENS = declare(Setting[int](
     help="n-gram draft tokens per step for greedy requests; 0 is off",
     readers=("engine",),
 ))  # fmt: skip
+QUANTIZED_GEMV = declare(Setting[bool](
+    name="BRIGADE_QUANTIZED_GEMV", kind="bool", default=True,
+    help="fp32 GGUF decode steps (<= 8 rows) read the Q4_1/Q8_0 blocks; 0: dense fp32 weights",
+    readers=("engine",),
+))  # fmt: skip
 CPU_KERNEL = declare(Setting[bool](
     name="BRIGADE_CPU_KERNEL", kind="bool", default=True,
     help="the compiled CPU paged-attention kernel; 0: the pure-torch reference",
@@ -316,12 +321,12 @@ CPU_KERNEL = declare(Setting[bool](
 ))  # fmt: skip
 CC = declare(Setting[str | None](
     name="CC", kind="str", default=None, default_text="cc, else gcc",
-    help="C compiler that builds the CPU attention kernel",
+    help="C compiler that builds the CPU kernels (attention, quantized GEMV)",
     readers=("engine", "bench"),
 ))  # fmt: skip
 XDG_CACHE_HOME = declare(Setting[Path | None](
     name="XDG_CACHE_HOME", kind="path", default=None, default_text="~/.cache",
-    help="cache root; the built CPU kernel lives in its brigade/kernels",
+    help="cache root; the built CPU kernels live in its brigade/kernels",
     readers=("engine", "bench"),
 ))  # fmt: skip
 LLAMA_CPP_DIR = declare(Setting[Path | None](

@@ -146,6 +146,7 @@ def engine_config_from_env() -> Any:
         (settings.BATCH_INVARIANT, "batch_invariant"),
         (settings.PREFIX_CACHING, "enable_prefix_caching"),
         (settings.NUM_SPECULATIVE_TOKENS, "num_speculative_tokens"),
+        (settings.QUANTIZED_GEMV, "quantized_gemv"),
     ):
         if found.source(setting) == "env":  # else EngineConfig's own default (the same)
             kwargs[name] = found[setting]
@@ -153,8 +154,9 @@ def engine_config_from_env() -> Any:
 
 
 def configure_kernels(found: settings.Settings | None = None) -> None:
-    """The CPU attention kernel's switch, compiler and cache, from settings."""
-    from kernels import cpu_attention
+    """The CPU attention kernel's switch, compiler and cache, and the quantized GEMV's compiler
+    and cache (its switch is EngineConfig.quantized_gemv), from settings."""
+    from kernels import cpu_attention, cpu_quant_gemv
 
     found = found or settings.load()
     cpu_attention.configure(
@@ -162,5 +164,10 @@ def configure_kernels(found: settings.Settings | None = None) -> None:
             enabled=found[settings.CPU_KERNEL],
             compiler=found[settings.CC],
             cache_root=found[settings.XDG_CACHE_HOME],
+        )
+    )
+    cpu_quant_gemv.configure(
+        cpu_quant_gemv.GemvOptions(
+            compiler=found[settings.CC], cache_root=found[settings.XDG_CACHE_HOME]
         )
     )

@@ -36,6 +36,7 @@ def default_scores():
         dtype=d["dtype"],
         quantization=d["quantization"],
         batch_invariant=d["batch_invariant"],
+        quantized_gemv=d["quantized_gemv"],
     )
     try:
         yield teacher_forced(model, ref, segments, spec_tokens=d["num_speculative_tokens"])

@@ -114,6 +114,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_BATCH_INVARIANT": False,
         "BRIGADE_PREFIX_CACHING": False,
         "BRIGADE_NUM_SPECULATIVE_TOKENS": 0,
+        "BRIGADE_QUANTIZED_GEMV": True,
         "BRIGADE_CPU_KERNEL": True,
         "CC": None,
         "XDG_CACHE_HOME": None,
@@ -152,6 +153,7 @@ def test_the_defaults_agree_with_the_configs_they_fill():
     )  # fmt: skip
     assert (engine.batch_invariant, engine.enable_prefix_caching) == (False, False)
     assert engine.num_speculative_tokens == settings.NUM_SPECULATIVE_TOKENS.default
+    assert engine.quantized_gemv == settings.QUANTIZED_GEMV.default
     assert DEFAULT_KV_CACHE_BYTES == settings.KV_CACHE_BYTES.default
     from engine.engine import DTYPES
 

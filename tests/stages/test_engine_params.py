@@ -72,6 +72,10 @@ def test_engine_config_from_the_environment(monkeypatch):
     monkeypatch.setenv("BRIGADE_NUM_SPECULATIVE_TOKENS", "4")
     assert engine_config_from_env().num_speculative_tokens == 4
     monkeypatch.delenv("BRIGADE_NUM_SPECULATIVE_TOKENS")
+    assert engine_config_from_env().quantized_gemv is True
+    monkeypatch.setenv("BRIGADE_QUANTIZED_GEMV", "0")
+    assert engine_config_from_env().quantized_gemv is False
+    monkeypatch.delenv("BRIGADE_QUANTIZED_GEMV")
     monkeypatch.setenv("BRIGADE_MAX_NUM_SEQS", "four")
     with pytest.raises(ValueError, match="BRIGADE_MAX_NUM_SEQS='four'"):
         engine_config_from_env()

@@ -1,0 +1,72 @@
+"""fp32 linears that keep a GGUF tensor's Q4_1 / Q8_0 blocks beside the dense weight.
+
+Steps of at most DECODE_MAX_ROWS rows run the compiled block GEMV (kernels/cpu_quant_gemv.py):
+the same fp32 weights, rebuilt from 0.625 / 1.0625 bytes a weight instead of 4, fp32 sums, so
+the logits are the dense fp32 path's up to summation order. Prefill and big batches keep the
+dense fp32 GEMM. Blocks are in GGUF's own layout, one row of blocks per output feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from engine.quant import DECODE_MAX_ROWS
+from kernels import cpu_quant_gemv
+from kernels.cpu_quant_gemv import BlockKind
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A weight [out, in] as GGUF blocks: `data` [out, in / 32 * block_bytes] uint8."""
+
+    kind: BlockKind
+    data: Tensor
+
+    def __post_init__(self) -> None:
+        assert self.kind in cpu_quant_gemv.BLOCK_BYTES, f"block kind {self.kind!r}"
+        assert self.data.dtype == torch.uint8 and self.data.dim() == 2, "blocks: 2-D uint8"
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1] // cpu_quant_gemv.BLOCK_BYTES[self.kind] * 32
+
+
+def concat_blocks(parts: list[GGUFBlocks | None]) -> GGUFBlocks | None:
+    """The row concatenation of `parts` (fused q/k/v, gate/up); None unless all are blocks of
+    one kind and width (a file may store one of them in another type)."""
+    if any(p is None for p in parts):
+        return None
+    kinds = {(p.kind, p.data.shape[1]) for p in parts}
+    if len(kinds) != 1:
+        return None
+    return GGUFBlocks(parts[0].kind, torch.cat([p.data for p in parts]).contiguous())
+
+
+class GGUFLinear(nn.Module):
+    """The block GEMV for steps of at most DECODE_MAX_ROWS fp32 rows, `dense` above."""
+
+    def __init__(self, blocks: GGUFBlocks, dense: nn.Module) -> None:
+        super().__init__()
+        if blocks.data.shape[0] != dense.out_features:
+            raise ValueError(
+                f"{blocks.data.shape[0]} rows of blocks for {dense.out_features} output features"
+            )
+        self.kind = blocks.kind
+        self.register_buffer("blocks", blocks.data.contiguous())
+        self.dense = dense
+        self.out_features = dense.out_features
+
+    def forward(self, x: Tensor) -> Tensor:  # [n, in] -> [n, out]
+        if x.shape[0] <= DECODE_MAX_ROWS and x.shape[0] > 0 and x.dtype == torch.float32:
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            return cpu_quant_gemv.quant_gemv(x, self.blocks, self.kind)
+        return self.dense.forward(x)
+
+
+def with_blocks(dense: nn.Module, blocks: GGUFBlocks | None) -> nn.Module:
+    """`dense` itself without blocks, else a GGUFLinear over both."""
+    return dense if blocks is None else GGUFLinear(blocks, dense)

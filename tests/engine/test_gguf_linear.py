@@ -1,0 +1,86 @@
+"""fp32 linears over the default GGUF's own blocks: the blocks hold exactly the weights read_gguf
+dequantizes (un-permuted q/k included), steps of <= 8 rows run the block GEMV and more rows the
+dense GEMM, and load_model picks them only for fp32 dense on the CPU with the kernel built."""
+
+import pytest
+import torch
+
+import engine.loader as loader
+from engine.gguf_linear import GGUFBlocks, GGUFLinear, concat_blocks
+from engine.quant import DECODE_MAX_ROWS, DenseLinear
+from engine.weights import resolve_model
+from kernels import cpu_quant_gemv
+
+pytestmark = pytest.mark.skipif(
+    not cpu_quant_gemv.available(), reason="no C compiler to build the quantized GEMV"
+)
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def gguf_model():
+    path = resolve_model(MODEL)
+    config, weights = loader.read_gguf(path)
+    return config, weights, loader.read_gguf_blocks(path, config)
+
+
+def test_the_blocks_hold_read_ggufs_weights_bit_for_bit(gguf_model):
+    config, weights, blocks = gguf_model
+    assert len(blocks) == 7 * config.num_layers + 1  # every matrix, and the tied head
+    assert blocks["model.embed_tokens.weight"].kind == "q8_0"
+    for i in (0, config.num_layers - 1):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+            key = f"model.layers.{i}.{name}.weight"
+            assert blocks[key].kind == "q4_1"
+            got = cpu_quant_gemv.dequantize(blocks[key].data, "q4_1")
+            assert torch.equal(got, weights[key]), key  # q / k rows un-permuted alike
+    embed = blocks["model.embed_tokens.weight"]
+    want = weights["model.embed_tokens.weight"]
+    assert torch.equal(cpu_quant_gemv.dequantize(embed.data, "q8_0"), want)
+
+
+def test_decode_rows_take_the_block_gemv_and_more_rows_the_dense_gemm(gguf_model):
+    _, weights, blocks = gguf_model
+    key = "model.layers.3.mlp.down_proj.weight"
+    linear = GGUFLinear(blocks[key], DenseLinear(weights[key]))
+    x = torch.randn(DECODE_MAX_ROWS + 1, weights[key].shape[1])
+    for rows in (1, DECODE_MAX_ROWS):
+        got = linear(x[:rows])
+        assert torch.equal(got, cpu_quant_gemv.quant_gemv(x[:rows], blocks[key].data, "q4_1"))
+        torch.testing.assert_close(got, x[:rows] @ weights[key].t(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(linear(x), DenseLinear(weights[key])(x))  # prefill: dense, unchanged
+
+
+def test_concat_blocks_is_row_concatenation_of_one_kind(gguf_model):
+    _, weights, blocks = gguf_model
+    p = "model.layers.0.mlp."
+    gate_up = concat_blocks([blocks[p + "gate_proj.weight"], blocks[p + "up_proj.weight"]])
+    want = torch.cat([weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"]])
+    assert torch.equal(cpu_quant_gemv.dequantize(gate_up.data, "q4_1"), want)
+    assert concat_blocks([blocks[p + "gate_proj.weight"], None]) is None
+    q8 = GGUFBlocks("q8_0", torch.zeros(1536, 576 // 32 * 34, dtype=torch.uint8))
+    assert concat_blocks([blocks[p + "gate_proj.weight"], q8]) is None
+
+
+def linear_kinds(model) -> set[str]:
+    mods = [model.lm_head]
+    for layer in model.layers:
+        mods += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+    return {type(m).__name__ for m in mods}
+
+
+def test_load_model_keeps_blocks_only_for_fp32_dense_on_the_cpu(gguf_model, monkeypatch):
+    config, weights, _ = gguf_model
+    monkeypatch.setattr(loader, "read_gguf", lambda path: (config, weights))  # no re-reading
+    model, _ = loader.load_model(MODEL, dtype="float32")
+    assert linear_kinds(model) == {"GGUFLinear"}
+    assert model.lm_head.kind == "q8_0"
+    model, _ = loader.load_model(MODEL, dtype="float32", quantized_gemv=False)
+    assert linear_kinds(model) == {"DenseLinear"}
+    model, _ = loader.load_model(MODEL, dtype="float32", quantization="int8")
+    assert "GGUFLinear" not in linear_kinds(model)
+    model, _ = loader.load_model(MODEL, dtype="bfloat16")
+    assert "GGUFLinear" not in linear_kinds(model)
+    monkeypatch.setattr(cpu_quant_gemv, "available", lambda: False)  # no compiler here
+    model, _ = loader.load_model(MODEL, dtype="float32")
+    assert linear_kinds(model) == {"DenseLinear"}
