@@ -36,21 +36,35 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
+BUILD_RECIPE = b"compile, then link without the fast-math startup file"  # in the cache key
+
+
 def _compile(source: Path, compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
     """Compile into `target` atomically; -> None, or the compiler's complaint."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *flags, "-shared", "-fPIC", "-o", tmp, str(source), "-lm"]
+    obj = tmp + ".o"
+    # Compile and link apart: linking with -ffast-math (or -Ofast) adds crtfastmath.o, whose
+    # constructor sets flush-to-zero and denormals-are-zero for the whole process the moment
+    # the library loads, so every float anywhere (msgspec's bounds, numpy, torch) would change.
+    # Only the link-time part of the flags (OpenMP's runtime) goes to the link.
+    link_flags = [f for f in flags if f.startswith("-fopenmp") and f != "-fopenmp-simd"]
+    steps = (
+        [compiler, *flags, "-fPIC", "-c", "-o", obj, str(source)],
+        [compiler, *link_flags, "-shared", "-fPIC", "-o", tmp, obj, "-lm"],
+    )
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            return done.stderr.strip()[-500:] or f"exit status {done.returncode}"
+        for cmd in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                return done.stderr.strip()[-500:] or f"exit status {done.returncode}"
         os.replace(tmp, target)  # concurrent builders each write their own file first
         return None
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def build_library(
@@ -58,7 +72,7 @@ def build_library(
 ) -> ctypes.CDLL | None:
     """Build (or find in the cache) and load `source` with these flags; a failure is appended
     to `errors` and gives None."""
-    parts = [source.read_bytes(), " ".join(flags).encode(), compiler.encode()]
+    parts = [source.read_bytes(), " ".join(flags).encode(), compiler.encode(), BUILD_RECIPE]
     key = hashlib.sha256(b"\0".join([*parts, platform.machine().encode()])).hexdigest()[:16]
     target = cache_dir / f"{source.stem}-{key}.so"
     try:

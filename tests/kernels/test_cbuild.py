@@ -1,0 +1,32 @@
+"""The C kernels' build: loading a kernel leaves the process's floating-point state alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+# In a fresh process: the smallest denormal is > 0 before and after each kernel library loads.
+# A library linked with -ffast-math carries crtfastmath.o, which turns on flush-to-zero and
+# denormals-are-zero at load, and then the comparison reads 0 > 0.
+PROBE = """
+import importlib
+tiny = float.fromhex("0x1p-1074")
+assert tiny > 0.0
+module = importlib.import_module("kernels.{name}")
+assert module.load() is not None, "the kernel did not build"
+tiny = float.fromhex("0x1p-1074")
+print(tiny > 0.0, float.fromhex("0x1p-1070") / 2 > 0.0)  # DAZ; FTZ
+"""
+
+
+@pytest.mark.parametrize("name", ["cpu_attention", "cpu_quant_gemv"])
+def test_loading_a_kernel_keeps_denormals(name: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(name=name)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"], (
+        f"loading kernels.{name} changed the process's float state: {out.stdout}"
+    )
