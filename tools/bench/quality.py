@@ -42,6 +42,7 @@ class QualityConfig:
     batch_invariant: bool = False
     num_speculative_tokens: int = 0
     enable_prefix_caching: bool = False
+    quantized_gemv: bool = True  # fp32 GGUF decode on the Q4_1 / Q8_0 blocks (gguf_linear.py)
     engine_kwargs: dict = field(default_factory=dict)
 
     @property
@@ -52,6 +53,7 @@ class QualityConfig:
             "batch_invariant": self.batch_invariant,
             "num_speculative_tokens": self.num_speculative_tokens,
             "enable_prefix_caching": self.enable_prefix_caching,
+            "quantized_gemv": self.quantized_gemv,
         }
 
 
@@ -59,9 +61,12 @@ def all_configs() -> list[QualityConfig]:
     """The default first, then every dtype x weight kind, batch-invariant, speculation, prefix."""
     default = _default_fields()
     label = f"{default['dtype']} {default['quantization'] or 'dense'}"
+    if default["quantized_gemv"] and default["dtype"] == "float32" and not default["quantization"]:
+        label += " + block GEMV decode"
     rows = [QualityConfig(f"default ({label})", **default)]
     for dtype in ("float32", "bfloat16", "float16"):
         rows.append(QualityConfig(f"{dtype} dense", dtype=dtype))
+    rows.append(QualityConfig("float32 dense (dense decode)", quantized_gemv=False))
     for q in ("int4-decode", "int8-decode", "int4", "int8"):
         rows.append(QualityConfig(f"bfloat16 {q}", dtype="bfloat16", quantization=q))
     for q in (None, "int4", "int8"):
@@ -105,6 +110,7 @@ def _default_fields() -> dict:
         "batch_invariant": c.batch_invariant,
         "num_speculative_tokens": c.num_speculative_tokens,
         "enable_prefix_caching": c.enable_prefix_caching,
+        "quantized_gemv": c.quantized_gemv,
     }
 
 
@@ -265,7 +271,9 @@ def run(args: argparse.Namespace) -> int:
     ref.fill(ReferenceLlama(model_config, weights), segments)
     del weights
     engine_common = {"model": args.model, "max_num_seqs": DECODE_STREAMS}
-    fp32_engine = Engine(EngineConfig(**engine_common, dtype="float32", quantization=None))
+    fp32_engine = Engine(
+        EngineConfig(**engine_common, dtype="float32", quantization=None, quantized_gemv=False)
+    )
     reference_answers = greedy_answers(fp32_engine, prompt_ids, max_tokens)
     del fp32_engine
     res: dict = {
@@ -292,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
                 dtype=c.dtype,
                 quantization=c.quantization,
                 batch_invariant=c.batch_invariant,
+                quantized_gemv=c.quantized_gemv,
             )
             row["teacher_forced"] = teacher_forced(
                 model, ref, segments, spec_tokens=c.num_speculative_tokens
