@@ -279,6 +279,7 @@ class RunCancelled(Event, tag="cancelled"):
     reason: str = "client"
     usage: Usage = Usage()
     last_seq: int | None = None
+    stage: str | None = None  # the stage that ended it before the engine did (None: detokenize)
 
 
 class RequestFailed(Event, tag="failed"):

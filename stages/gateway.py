@@ -19,6 +19,7 @@ from schemas.events import (
     Request,
     RequestAccepted,
     RequestFailed,
+    RunCancelled,
     Sampling,
     Submit,
     SubmitReply,
@@ -185,6 +186,12 @@ def reply(outputs: list[Event]) -> bytes:
             code=first.code,
             message=first.message,
             field=first.field,
+        )
+    elif isinstance(first, RunCancelled):  # its cancel came first: ended, never accepted
+        answer = SubmitReply(
+            request_id=first.request_id,
+            accepted=False,
+            message=f"run {first.request_id} was cancelled ({first.reason}) before it was accepted",
         )
     else:
         answer = SubmitReply(request_id=first.request_id, accepted=True)

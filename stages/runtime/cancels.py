@@ -24,20 +24,24 @@ class CancelledRequests:
 
     def __init__(self, capacity: int = 100_000) -> None:
         self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: OrderedDict[str, str] = OrderedDict()  # request id -> the cancel's reason
         self._callbacks: list[Callable[[CancelRequested], None]] = []
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._ids
 
+    def reason(self, request_id: str) -> str | None:
+        """The reason of the request's first cancel seen here; None when none was."""
+        return self._ids.get(request_id)
+
     def add(self, request_id: str, cancel: CancelRequested | None = None) -> None:
         """Record a cancel; callbacks get its event (one with the default reason without)."""
         if request_id in self._ids:
             return
-        self._ids[request_id] = None
+        event = cancel if cancel is not None else CancelRequested(request_id=request_id)
+        self._ids[request_id] = event.reason
         if len(self._ids) > self.capacity:
             self._ids.popitem(last=False)
-        event = cancel if cancel is not None else CancelRequested(request_id=request_id)
         for callback in self._callbacks:
             callback(event)
 

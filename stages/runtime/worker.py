@@ -14,9 +14,11 @@ The input is acked only after every output is acknowledged by the stream. A cras
 means redelivery after `ack_wait` (or the `backoff` steps), at most `max_deliver` times; while a
 handler holds its input the runtime keeps it alive with in-progress acks (up to `max_hold_s`).
 
-Requests whose `cancel` event was seen are skipped (acked, nothing published) unless the spec
-sets `skip_cancelled=False` (the ledger). Late events for unknown or finished requests reach
-`handle` like any other; handlers must tolerate them.
+Requests whose `cancel` event was seen are skipped unless the spec sets `skip_cancelled=False`
+(the engine, detokenize, the ledger): their work is not done, and the run's terminal `cancelled`
+event is published instead (msg id `<request_id>:cancelled`, so stages that skip the same run
+store it once), so the ledger bills it and frees what it holds. Late events for unknown or
+finished requests reach `handle` like any other; handlers must tolerate them.
 
 A stage whose work outlives one call (the engine: one input, then token events for as long as
 the request runs) sets `service=` instead of `handle=`: a long-running handler
@@ -47,7 +49,7 @@ from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.bounded import decode_bounded
-from schemas.events import Event, RequestFailed, encode
+from schemas.events import Event, RequestFailed, RunCancelled, encode
 from stages.runtime.bus import Bus, BusConfig
 from stages.runtime.failures import StageError, error_field, new_request_id, read_envelope
 from stages.runtime.pull import ContinuousPull
@@ -134,10 +136,20 @@ class StageWorker:
             else:
                 await held.complete([failed])
             return False, None
-        if self.spec.skip_cancelled and getattr(event, "request_id", None) in self.ctx.cancels:
-            await held.ack()
+        request_id = getattr(event, "request_id", None)
+        if self.spec.skip_cancelled and request_id in self.ctx.cancels:
+            await held.complete([self._cancelled(event, request_id)])
             return False, None
         return True, event
+
+    def _cancelled(self, event: Any, request_id: str) -> RunCancelled:
+        """The terminal event of a run cancelled before this stage did its work."""
+        return RunCancelled(
+            request_id=request_id,
+            tenant=getattr(event, "tenant", None),
+            reason=self.ctx.cancels.reason(request_id) or "client",
+            stage=self.spec.name,
+        )
 
     async def handle_message(self, held: Held) -> None:
         """The handler path: decode -> (skip if cancelled) -> handle -> complete."""

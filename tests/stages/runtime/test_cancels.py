@@ -21,6 +21,13 @@ def test_bounded_lru_and_callbacks_fire_once() -> None:
     assert ("a" in cancels, "b" in cancels, "c" in cancels) == (False, True, True)
 
 
+def test_the_first_cancels_reason_is_kept() -> None:
+    cancels = CancelledRequests()
+    cancels.add("r", CancelRequested(request_id="r", reason="timeout"))
+    cancels.add("r", CancelRequested(request_id="r", reason="client"))
+    assert (cancels.reason("r"), cancels.reason("other")) == ("timeout", None)
+
+
 @pytest.mark.anyio
 async def test_fed_by_the_cancel_subject(bus_config: BusConfig) -> None:
     bus = await Bus.connect(bus_config)

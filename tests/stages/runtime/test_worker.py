@@ -20,6 +20,7 @@ from schemas.events import (
     RequestAccepted,
     RequestAuthorized,
     RequestFailed,
+    RunCancelled,
     decoder_for,
 )
 from stages.runtime.bus import Bus, BusConfig
@@ -203,6 +204,11 @@ async def test_cancelled_requests_are_skipped(bus_config: BusConfig) -> None:
         stop.set()
     assert state["seen"] == ["kept1"]
     assert await wait_for(bus, "llm.ev.gone1.authorized", 1, timeout_s=0.1) == 0
+    # the skipped run is ended, not dropped: its terminal event names the stage and the reason
+    msg = await bus.js.get_last_msg(subjects.EVENTS_STREAM, "llm.ev.gone1.cancelled")
+    ended = decoder_for(RunCancelled).decode(msg.data)
+    assert (ended.tenant, ended.reason, ended.stage) == ("t1", "client", "echo")
+    assert await wait_for(bus, "llm.ev.kept1.cancelled", 1, timeout_s=0.1) == 0
     await bus.close()
 
 
