@@ -18,6 +18,7 @@ SUBMIT_STREAM = "BRIGADE_IN"  # work queue over llm.in: a submission is gone onc
 IDEMPOTENCY_BUCKET = "brigade_idempotency"
 RUNS_BUCKET = "brigade_runs"
 RATES_BUCKET = "brigade_rates"
+REQUEST_IDS_BUCKET = "brigade_request_ids"  # request id -> the tenant that owns it
 
 # Letters, digits, '_' and '-': no '.', '*', '>' or spaces, so an id is always one subject token.
 # (?!\n) because Python's "$" also matches before a final newline; the form stays valid JSON

@@ -1,13 +1,15 @@
 """Gateway: a JSON submit on `llm.in` -> `accepted` (or `failed` naming the field), and an answer.
 
-It assigns the request id (or keeps a valid client one), hashes the API key (the key itself is
-never stored), normalizes the submit into a `Request`, and answers on the submit's reply inbox
-(header Brigade-Reply-To) with a `SubmitReply` once the event is stored.
+It assigns the request id (or keeps a valid client one, claimed for the key's tenant: another
+tenant's id is refused before anything is stored under it), hashes the API key (the key itself
+is never stored), normalizes the submit into a `Request`, and answers on the submit's reply
+inbox (header Brigade-Reply-To) with a `SubmitReply` once the event is stored.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import msgspec
 
@@ -25,9 +27,12 @@ from schemas.events import (
     SubmitReply,
     encode,
 )
+from stages.auth import AuthState
 from stages.engine_params import CONSTRAINT_FIELDS, constraint
 from stages.runtime.failures import StageError, error_field, new_request_id, read_envelope
-from stages.runtime.spec import StageSpec
+from stages.runtime.spec import StageContext, StageSpec
+from stages.tenancy import tenants
+from stages.tenancy.request_ids import RequestIds, RequestIdTaken, body_hash
 from stages.tenancy.tenants import hash_key
 
 STAGE = "gateway"
@@ -153,6 +158,55 @@ def handle(submit: Submit, state: object) -> list[Event]:
     return [accepted]
 
 
+@dataclass
+class GatewayState:
+    """The tenants file (to name a submit's owner before anything is stored) and the claims."""
+
+    tenants: AuthState
+    ids: RequestIds
+    repeat_within_s: float  # the events stream's dedupe window: a repeat in it is stored once
+
+
+async def admit(submit: Submit, state: GatewayState) -> list[Event]:
+    """Claim the submit's request id for its tenant, then `handle` it. A colliding id is refused
+    under a fresh id: nothing is stored under the taken one, so its run is untouched."""
+    if submit.request_id is None:
+        submit = msgspec.structs.replace(submit, request_id=new_request_id())
+    assert submit.request_id is not None, "set above"
+    key_hash = hash_key(submit.api_key) if submit.api_key else None
+    state.tenants.refresh()
+    found = state.tenants.tenants.lookup(key_hash)
+    tenant = found[0] if found is not None else None
+    try:
+        await state.ids.claim(
+            submit.request_id,
+            tenant,
+            body_hash(encode(submit)),
+            repeat_within_s=state.repeat_within_s,
+        )
+    except RequestIdTaken as err:
+        failed = RequestFailed(
+            request_id=new_request_id(),
+            tenant=tenant,
+            stage=STAGE,
+            code="conflict",
+            message=str(err),
+            field="request_id",
+        )
+        return [failed]
+    return handle(submit, None)
+
+
+async def setup(ctx: StageContext) -> GatewayState:
+    bus = ctx.bus
+    kv = await bus.kv(subjects.REQUEST_IDS_BUCKET, ttl_s=bus.config.events_max_age_s)
+    return GatewayState(
+        tenants=AuthState(tenants.default_path()),
+        ids=RequestIds(kv),
+        repeat_within_s=bus.config.duplicate_window_s,
+    )
+
+
 def on_invalid(data: bytes, err: Exception) -> RequestFailed:
     """A submit that does not decode still gets a request id and a failed event."""
     request_id, _ = read_envelope(data)
@@ -204,7 +258,8 @@ SPEC = StageSpec(
     subject=subjects.SUBMIT,
     stream=subjects.SUBMIT_STREAM,
     decoder=msgspec.json.Decoder(Submit),
-    handle=handle,
+    handle=admit,
+    setup=setup,
     on_invalid=on_invalid,
     reply=reply,
 )

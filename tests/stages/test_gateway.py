@@ -8,11 +8,12 @@ import anyio
 import msgspec
 import pytest
 
-from schemas import settings
-from schemas.events import RequestAccepted, RequestFailed, Submit, decode_submit
-from stages import gateway
+from schemas import settings, subjects
+from schemas.events import RequestAccepted, RequestFailed, Submit, decode_event, decode_submit
+from stages import auth, gateway
 from stages.runtime import worker as runtime
 from stages.runtime.bus import Bus, BusConfig
+from stages.tenancy import tenants
 
 
 def submit_result(data: bytes) -> RequestAccepted | RequestFailed:
@@ -293,3 +294,105 @@ async def test_llm_in_fuzzer_every_bad_submit_is_named_and_the_gateway_lives(
     info = await bus.js.stream_info("BRIGADE_IN")
     assert info.state.messages == 0
     await bus.close()
+
+
+KEY_A = "brg-owner-a-test-key-000000000000"
+KEY_B = "brg-owner-b-test-key-000000000000"
+
+
+def _two_tenants(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "tenants.toml"
+    tenants.add_key("tenant-a", path=path, api_key=KEY_A)
+    tenants.add_key("tenant-b", path=path, api_key=KEY_B)
+    monkeypatch.setenv("BRIGADE_TENANTS", str(path))
+
+
+async def _owner_of(bus: Bus, request_id: str) -> str | None:
+    """What the edge reads for attach, resume and cancel: the last `authorized` event's tenant."""
+    subject = subjects.event_subject(request_id, "authorized")
+    msg = await bus.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+    return decode_event(msg.data).tenant
+
+
+async def _stored(bus: Bus, request_id: str) -> list[str]:
+    return [type(e).__struct_config__.tag for e in await bus.replay(request_id)]
+
+
+@pytest.mark.anyio
+async def test_a_request_id_belongs_to_its_tenant(bus_config: BusConfig, tmp_path, monkeypatch):
+    """Tenant B submitting tenant A's request id through llm.in is refused, inside the dedupe
+    window (where B's `accepted` used to be dropped as a duplicate although B's reply said
+    accepted: the vanishing run) and past it (where B's run took A's over: B became the owner the
+    edge reads, so B read A's text and A was locked out). Nothing is stored under A's id."""
+    _two_tenants(tmp_path, monkeypatch)
+    stop = anyio.Event()
+    bus = await Bus.connect(bus_config)
+    try:
+        async with anyio.create_task_group() as tg:
+            for spec in (gateway.SPEC, auth.SPEC):
+                ready = anyio.Event()
+                tg.start_soon(
+                    lambda s=spec, r=ready: runtime.serve(
+                        s, config=bus_config, stop=stop, ready=r, handle_signals=False
+                    )
+                )
+                await ready.wait()
+            mine = Submit(request_id="shared-1", prompt="A's question", api_key=KEY_A)
+            assert (await bus.submit(mine)).accepted
+            with anyio.fail_after(5):
+                while "authorized" not in await _stored(bus, "shared-1"):
+                    await anyio.sleep(0.05)
+            before = await _stored(bus, "shared-1")
+
+            theirs = Submit(request_id="shared-1", prompt="B's question", api_key=KEY_B)
+            inside = await bus.submit(theirs)  # inside the dedupe window
+            again = await bus.submit(mine)  # a repeat of A's own submit (a redelivery) is A's
+            reused = await bus.submit(  # A's id with another body would vanish: refused
+                msgspec.structs.replace(mine, prompt="A's second question")
+            )
+            # past it: the stream forgets the msg ids, so only the claim can refuse B
+            info = await bus.js.stream_info(subjects.EVENTS_STREAM)
+            info.config.duplicate_window = 0.5
+            await bus.js.update_stream(info.config)
+            await anyio.sleep(0.7)
+            past = await bus.submit(theirs)
+            bad_key = await bus.submit(
+                Submit(request_id="shared-1", prompt="x", api_key="brg-not-a-key")
+            )
+            invalid = await bus.submit(  # even a submit that would fail stores nothing there
+                Submit(request_id="shared-1", prompt="x", api_key=KEY_B, min_tokens=9, max_tokens=1)
+            )
+            await anyio.sleep(0.3)
+            stop.set()
+        for refused in (inside, reused, past, bad_key, invalid):
+            assert (refused.accepted, refused.code, refused.field) == (
+                False,
+                "conflict",
+                "request_id",
+            )
+            assert refused.request_id != "shared-1" and "shared-1" in refused.message
+            (failed,) = await bus.replay(refused.request_id)  # the refusal lives under its own id
+            assert isinstance(failed, RequestFailed) and failed.stage == "gateway"
+        assert again.accepted and again.request_id == "shared-1"
+        assert await _stored(bus, "shared-1") == before  # A's retry was a stored duplicate
+        assert await _owner_of(bus, "shared-1") == "tenant-a"
+        # a fresh id is B's own
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                ready = anyio.Event()
+                stop = anyio.Event()
+                tg.start_soon(
+                    lambda: runtime.serve(
+                        gateway.SPEC,
+                        config=bus_config,
+                        stop=stop,
+                        ready=ready,
+                        handle_signals=False,
+                    )
+                )
+                await ready.wait()
+                own = await bus.submit(Submit(request_id="b-own-1", prompt="B", api_key=KEY_B))
+                stop.set()
+        assert (own.accepted, own.request_id) == (True, "b-own-1")
+    finally:
+        await bus.close()
