@@ -1,4 +1,5 @@
-"""`brigade up`: a private NATS (unless NATS_URL), every stage, the dev tenant; Ctrl-C stops all.
+"""`brigade up`: a private NATS (unless NATS_URL), every stage (the sweeper too: it shares this
+process), the dev tenant; Ctrl-C stops all.
 
 By default the request path's light stages share this process as tasks, while the engine and
 the background recorders (ledger, archiver) run as `brigade stage NAME` children so that their

@@ -1,0 +1,191 @@
+"""The sweeper: every run reaches a terminal event, even one whose stages all lost it.
+
+Every `period_s` it reads the run-state projection (brigade_runs) and, for each run that is not
+terminal and has shown no progress past its deadline (queued: before the engine; prefill and
+streaming: in it), reconciles with the log first: a run whose terminal event is stored is only
+behind in the projection, and a run with a recent `tokens` event is alive. For the rest it
+publishes a `cancel` (reason `timeout`: an engine that holds the run aborts it, frees its KV
+blocks and ends it with its usage), and `grace_s` later, if still nothing ended the run, its
+terminal `cancelled` event itself (reason `timeout`, stage `sweeper`), which the ledger bills
+and which releases the run's rate-limit reservation. Both carry the usual msg ids
+(`<id>:cancel`, `<id>:cancelled`), so sweepers racing, or a sweep after a restart, store them
+once; at most `max_per_pass` runs are ended per pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.abc
+import msgspec
+import nats.errors
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+
+from schemas import subjects
+from schemas.events import TERMINAL_EVENTS, CancelRequested, RunCancelled, decode_event
+from stages.eventlog.runstate import TERMINAL, RunRecord
+from stages.runtime.bus import Bus
+from stages.runtime.service import Service
+from stages.runtime.spec import StageContext, StageSpec
+
+log = logging.getLogger("brigade.sweeper")
+STAGE = "sweeper"
+_record = msgspec.json.Decoder(RunRecord)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweeperConfig:
+    period_s: float = 30.0
+    queued_s: float = 600.0  # accepted .. assembled: the light stages take milliseconds
+    engine_s: float = 1800.0  # tokenized, streaming: no `tokens` event for this long
+    grace_s: float = 60.0  # after the cancel, for the engine to end the run itself
+    max_per_pass: int = 1000
+
+    def __post_init__(self) -> None:
+        if min(self.period_s, self.queued_s, self.engine_s) <= 0 or self.grace_s < 0:
+            raise ValueError(
+                f"sweeper: period_s={self.period_s}, queued_s={self.queued_s} and engine_s="
+                f"{self.engine_s} must be > 0, grace_s={self.grace_s} >= 0"
+            )
+        if self.max_per_pass < 1:
+            raise ValueError(f"sweeper: max_per_pass={self.max_per_pass} must be >= 1")
+
+    def deadline_s(self, record: RunRecord) -> float:
+        return self.queued_s if record.state == "queued" else self.engine_s
+
+
+@dataclass
+class SweepStats:
+    num_cancels: int = 0  # cancel events published
+    num_ended: int = 0  # terminal events published
+    ended_ids: list[str] = field(default_factory=list)
+
+
+class Sweeper(Service):
+    def __init__(self, bus: Bus, config: SweeperConfig, clock=time.time_ns) -> None:
+        self.bus = bus
+        self.config = config
+        self.clock = clock
+        self.stats = SweepStats()
+
+    async def run(
+        self,
+        stopping: anyio.Event,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await self.bus.ensure_streams()
+        await self.bus.ensure_kv()
+        runs = await self.bus.kv(subjects.RUNS_BUCKET)
+        task_status.started()
+        while not stopping.is_set():
+            try:
+                await self.sweep(runs)
+            except Exception:  # noqa: BLE001 - a failed pass is retried at the next period
+                log.exception("sweep failed; retrying in %.0f s", self.config.period_s)
+            with anyio.move_on_after(self.config.period_s):
+                await stopping.wait()
+
+    async def sweep(self, runs: KeyValue) -> int:
+        """One pass; returns how many runs it acted on."""
+        num_acted = 0
+        for record in await _records(runs):
+            if num_acted >= self.config.max_per_pass:
+                log.warning("sweep stopped at %d runs; the rest wait for the next pass", num_acted)
+                break
+            if record.state in TERMINAL or record.state == "billed":
+                continue
+            idle_s = (self.clock() - await self._last_activity_ns(record)) / 1e9
+            deadline = self.config.deadline_s(record)
+            if idle_s < deadline or await self._ended_in_log(record.request_id):
+                continue
+            num_acted += 1
+            await self.bus.publish(
+                CancelRequested(
+                    request_id=record.request_id, tenant=record.tenant, reason="timeout"
+                )
+            )
+            self.stats.num_cancels += 1
+            if idle_s >= deadline + self.config.grace_s:
+                await self._end(record, idle_s)
+        return num_acted
+
+    async def _end(self, record: RunRecord, idle_s: float) -> None:
+        log.warning(
+            "ending run %s (%s, no progress for %.0f s): cancelled, reason timeout",
+            record.request_id,
+            record.state,
+            idle_s,
+        )
+        await self.bus.publish(
+            RunCancelled(
+                request_id=record.request_id,
+                tenant=record.tenant,
+                reason="timeout",
+                usage=record.usage,
+                last_seq=record.last_seq,
+                stage=STAGE,
+            )
+        )
+        self.stats.num_ended += 1
+        self.stats.ended_ids.append(record.request_id)
+
+    async def _last_activity_ns(self, record: RunRecord) -> int:
+        """The record's last change, or the run's last `tokens` event if later (the projection
+        skips per-token writes)."""
+        if record.state == "queued":
+            return record.updated_ns
+        last = await self._last(record.request_id, "tokens")
+        return max(record.updated_ns, last.ts_ns if last is not None else 0)
+
+    async def _ended_in_log(self, request_id: str) -> bool:
+        for kind in TERMINAL_EVENTS:
+            if await self._last(request_id, kind) is not None:
+                return True
+        return False
+
+    async def _last(self, request_id: str, kind: str):
+        subject = subjects.event_subject(request_id, kind)
+        try:
+            msg = await self.bus.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+        except NotFoundError:
+            return None
+        return decode_event(msg.data) if msg.data else None
+
+
+async def _records(runs: KeyValue) -> list[RunRecord]:
+    """Every run record in the bucket now (one ordered watch, values included)."""
+    watcher = await runs.watchall(ignore_deletes=True)
+    records: list[RunRecord] = []
+    try:
+        while True:
+            try:
+                entry = await watcher.updates(timeout=5.0)
+            except nats.errors.TimeoutError:
+                break
+            if entry is None:  # the end of what the bucket holds now
+                break
+            if entry.value:
+                try:
+                    records.append(_record.decode(entry.value))
+                except msgspec.DecodeError:  # ValidationError too
+                    log.warning("run record %s does not decode; skipped", entry.key)
+    finally:
+        await watcher.stop()
+    return records
+
+
+def spec(config: SweeperConfig | None = None) -> StageSpec:
+    """`brigade stage sweeper`."""
+
+    def service(ctx: StageContext, state: None) -> Sweeper:
+        return Sweeper(ctx.bus, config or SweeperConfig())
+
+    return StageSpec(name=STAGE, service=service, drain_s=5.0)
+
+
+SPEC = spec()

@@ -1,0 +1,124 @@
+"""The sweeper on a real nats-server: runs past their deadline without a terminal event are
+cancelled, then ended (billed by the served ledger, their reservation released); runs that are
+alive, ended in the log, or ended in the projection are left alone."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from schemas import settings, subjects
+from schemas.events import (
+    CancelRequested,
+    Message,
+    PromptTokenized,
+    Request,
+    RequestAccepted,
+    RunBilled,
+    RunCancelled,
+    RunCompleted,
+    TokensGenerated,
+    decode_event,
+)
+from stages import ledger
+from stages.eventlog.runstate import RunStates
+from stages.eventlog.sweeper import Sweeper, SweeperConfig
+from stages.runtime.bus import Bus, BusConfig
+from stages.runtime.worker import serve
+from stages.tenancy.ratelimit import Limits, RateLimiter
+
+pytestmark = pytest.mark.anyio
+CONFIG = SweeperConfig(period_s=1.0, queued_s=10.0, engine_s=20.0, grace_s=5.0)
+REQUEST = Request(messages=[Message(role="user", content="hi")])
+
+
+async def stored(bus: Bus, request_id: str, kind: str) -> list:
+    return [e for e in await bus.replay(request_id) if type(e).__struct_config__.tag == kind]
+
+
+async def test_runs_past_their_deadline_are_cancelled_then_ended(
+    bus_config: BusConfig, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv(settings.LEDGER_DB.name, str(tmp_path / "ledger.duckdb"))
+    bus = await Bus.connect(bus_config)
+    now = time.time_ns()
+    ago = lambda s: now - int(s * 1e9)  # noqa: E731
+    try:
+        await bus.ensure_streams()
+        await bus.ensure_kv()
+        kv = await bus.kv(subjects.RUNS_BUCKET)
+        runs, limiter = RunStates(kv), RateLimiter(await bus.kv(subjects.RATES_BUCKET))
+        one_slot = Limits(max_concurrent=1)
+        await limiter.admit("acme", "q-older", 10, one_slot)  # holds acme's only slot
+
+        def accepted(rid: str, s: float, tenant: str | None = "acme") -> RequestAccepted:
+            return RequestAccepted(request_id=rid, tenant=tenant, request=REQUEST, ts_ns=ago(s))
+
+        def tokenized(rid: str, s: float) -> PromptTokenized:
+            return PromptTokenized(
+                request_id=rid, tenant="acme", prompt_token_ids=[1], ts_ns=ago(s)
+            )
+
+        for event in (
+            accepted("q-young", 2),
+            accepted("q-old", 12),  # past 10 s, inside the 5 s grace: a cancel only
+            accepted("q-older", 30),
+            tokenized("e-alive", 100),
+            tokenized("e-dead", 100),
+            accepted("behind", 100),
+            accepted("done", 100),
+            RunCompleted(request_id="done", tenant="acme", finish_reason="stop", ts_ns=ago(99)),
+        ):
+            await runs.project(event)
+        await bus.publish(
+            TokensGenerated(request_id="e-alive", tenant="acme", seq=3, token_ids=[5])
+        )
+        await bus.publish(RunCompleted(request_id="behind", tenant="acme", finish_reason="stop"))
+
+        sweeper = Sweeper(bus, CONFIG)
+        assert await sweeper.sweep(kv) == 3
+        assert sorted(sweeper.stats.ended_ids) == ["e-dead", "q-older"]
+        later = Sweeper(bus, CONFIG, clock=lambda: time.time_ns() + int(5e9))
+        assert await later.sweep(kv) == 1  # q-old's grace is over; the others ended in the log
+        assert later.stats.ended_ids == ["q-old"]
+
+        for rid in ("q-old", "q-older", "e-dead"):
+            (cancel,) = await stored(bus, rid, "cancel")  # once, across both passes
+            (ended,) = await stored(bus, rid, "cancelled")
+            assert isinstance(cancel, CancelRequested) and cancel.reason == "timeout"
+            assert isinstance(ended, RunCancelled)
+            assert (ended.reason, ended.stage, ended.tenant) == ("timeout", "sweeper", "acme")
+        for rid in ("q-young", "e-alive", "behind", "done"):
+            assert (
+                await stored(bus, rid, "cancel") == [] and await stored(bus, rid, "cancelled") == []
+            )
+
+        # the served ledger bills each ended run once and frees q-older's slot
+        stop, ready = anyio.Event(), anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: serve(
+                    ledger.SPEC, config=bus_config, stop=stop, ready=ready, handle_signals=False
+                )
+            )
+            await ready.wait()
+            with anyio.fail_after(10):
+                while await limiter._reservation("q-older") is not None:
+                    await anyio.sleep(0.05)
+            stop.set()
+        await limiter.admit("acme", "next-1", 10, one_slot)  # the slot is free again
+        (billed,) = await stored(bus, "q-older", "billed")
+        assert isinstance(billed, RunBilled) and billed.status == "cancelled"
+        msg = await bus.js.get_last_msg(subjects.EVENTS_STREAM, "llm.ev.e-dead.billed")
+        assert decode_event(msg.data).status == "cancelled"
+    finally:
+        await bus.close()
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="queued_s=0"):
+        SweeperConfig(queued_s=0)
+    with pytest.raises(ValueError, match="max_per_pass=0"):
+        SweeperConfig(max_per_pass=0)
