@@ -23,10 +23,12 @@ import pytest
 from schemas import subjects
 from schemas.events import (
     AnyEvent,
+    CancelRequested,
     ContextAssembled,
     Message,
     PromptTokenized,
     RequestFailed,
+    RunCancelled,
     RunCompleted,
     Submit,
     TextGenerated,
@@ -426,6 +428,57 @@ async def test_events_replay_from_the_stream_in_causal_order(pipeline: Pipeline)
             assert i > at[("tokens", seq)]
     assert all(e.ts_ns > 0 for e in events) and events == await bus.replay(reply.request_id)
     await bus.close()
+
+
+async def test_a_cancel_at_any_point_ends_the_run_once_and_bills_it(pipeline: Pipeline) -> None:
+    """Before it was accepted (the gateway ends it), in the engine (the abort ends it with its
+    usage) and after its end (nothing changes): one terminal event each, one bill each."""
+    bus = await Bus.connect(pipeline.config)
+    try:
+        early = "cancel-before-accept"
+        await bus.publish(CancelRequested(request_id=early, tenant="acme"))
+        await bus.nc.flush()
+        await anyio.sleep(0.3)  # both gateway workers have heard it
+        reply = await bus.submit(Submit(request_id=early, api_key=KEY, prompt="Hi", max_tokens=4))
+        assert not reply.accepted and "cancelled" in reply.message
+
+        mid = "cancel-in-engine"
+        live = await bus.nc.subscribe(subjects.event_subject(mid, "tokens"))
+        reply = await bus.submit(
+            Submit(request_id=mid, api_key=KEY, prompt="Once upon a time", max_tokens=200,
+                   ignore_eos=True, temperature=0.0)
+        )  # fmt: skip
+        assert reply.accepted
+        await live.next_msg(timeout=60)
+        await live.unsubscribe()
+        await bus.publish(CancelRequested(request_id=mid, tenant="acme"))
+
+        late = "cancel-after-end"
+        reply = await bus.submit(Submit(request_id=late, api_key=KEY, prompt="Hi", max_tokens=2))
+        await wait_terminal(bus, [late])
+        await bus.publish(CancelRequested(request_id=late, tenant="acme"))
+
+        await wait_terminal(bus, [early, mid, late, early], kinds=("billed",))
+        await anyio.sleep(1.0)  # anything late would be stored by now
+        terminal = ("completed", "failed", "cancelled")
+        for rid, end in ((early, "cancelled"), (mid, "cancelled"), (late, "completed")):
+            n = await counts(bus, rid)
+            assert {k: v for k, v in n.items() if k in terminal} == {end: 1}, (rid, n)
+            assert n["billed"] == 1
+        assert "accepted" not in await counts(bus, early)
+        (ended,) = of(await bus.replay(mid), RunCancelled)
+        assert ended.stage is None and ended.usage.completion_tokens >= 1  # the engine's abort
+        con = ledger_connect(pipeline.data_dir / "ledger.duckdb", read_only=True)
+        try:
+            rows = con.execute(
+                "SELECT request_id, status FROM billing WHERE request_id IN (?, ?, ?) ORDER BY 1",
+                [early, mid, late],
+            ).fetchall()
+        finally:
+            con.close()
+        assert rows == sorted([(early, "cancelled"), (mid, "cancelled"), (late, "completed")])
+    finally:
+        await bus.close()
 
 
 async def test_engine_worker_killed_mid_request_completes_after_redelivery(
