@@ -16,7 +16,7 @@ import websockets
 from nats.js.errors import NotFoundError
 
 from schemas import settings, subjects
-from schemas.events import Submit, TextGenerated, decode_event
+from schemas.events import CancelRequested, Submit, TextGenerated, decode_event
 from stages import gateway, ledger
 from stages.edge.admission import AdmissionConfig
 from stages.edge.keys import KeyRing
@@ -520,3 +520,42 @@ async def test_structured_outputs_through_every_stage(pipeline):
             response_format={"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}},
         )
     assert info.value.body["param"].startswith("response_format")
+
+
+async def test_a_keyed_retry_of_a_run_cancelled_before_the_engine_gets_its_end(pipeline):
+    """The key's first run was cancelled before the gateway took it (it used to be dropped
+    there and never end): a retry with the key answers with that run's end at once, no hang."""
+    edge, config = pipeline
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 3, "temperature": 0}
+    bus = await Bus.connect(config)
+    try:
+        first = msgspec.convert(
+            {**body, "request_id": "idem-cancelled-1", "api_key": ACME_KEY}, Submit
+        )
+        first = msgspec.structs.replace(first, idempotency_key="order-cancelled")
+        digest = request_hash(gateway.normalize(first, limit_chars=10**6))
+        store = IdempotencyStore(await bus.kv(subjects.IDEMPOTENCY_BUCKET))
+        assert (await store.claim("acme", "order-cancelled", digest, "idem-cancelled-1")).new
+        await bus.publish(CancelRequested(request_id="idem-cancelled-1", tenant="acme"))
+        await bus.nc.flush()
+        await anyio.sleep(0.3)
+        assert not (await bus.submit(first)).accepted  # the gateway ended it: cancelled
+        headers = {"Authorization": f"Bearer {ACME_KEY}", "Idempotency-Key": "order-cancelled"}
+        async with httpx.AsyncClient(base_url=edge.url, headers=headers, timeout=20) as http:
+            with anyio.fail_after(20):
+                r = await http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.headers["X-Request-Id"] == "idem-cancelled-1"
+        assert r.headers["X-Brigade-Run-State"] == "cancelled"
+        with anyio.fail_after(10):
+            while True:
+                try:
+                    msg = await bus.js.get_last_msg(
+                        subjects.EVENTS_STREAM, "llm.ev.idem-cancelled-1.billed"
+                    )
+                    break
+                except NotFoundError:
+                    await anyio.sleep(0.05)
+        assert decode_event(msg.data).status == "cancelled"
+    finally:
+        await bus.close()
