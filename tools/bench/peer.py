@@ -51,6 +51,13 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="1 repetition, 1 and 8 streams")
     p.add_argument("--threads", type=int, default=2, help="threads of both engines (-t)")
     p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="Brigade's dtype (default: the engine's default, the one that meets the quality "
+        "targets: float32 with block-GEMV decode)",
+    )
+    p.add_argument(
         "--quantization",
         default="auto",
         choices=("auto", "none", "int8", "int4"),
@@ -189,6 +196,8 @@ def markdown(res: dict) -> str:
         f"{threads} thread{'s' if threads != 1 else ''}; load average at start {load}"
         + ("; quick run" if res["quick"] else ""),
         "",
+        f"Brigade: {res.get('dtype', '?')}, weights {res.get('quantization') or 'dense'}",
+        "",
         "| metric | llama.cpp | Brigade | Brigade / llama.cpp | target | |",
         "|---|---|---|---|---|---|",
     ]
@@ -214,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from engine import Engine, EngineConfig
+    from engine.gguf_linear import GGUFLinear
     from engine.weights import model_format, resolve_model
     from schemas import settings
 
@@ -245,8 +255,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"brigade bench peer: {skip_message(str(err))}", flush=True)
     torch.set_num_threads(args.threads)
     quantization = None if args.quantization == "none" else args.quantization
-    engine = Engine(EngineConfig(model=args.model, dtype="bfloat16", quantization=quantization))
+    dtype = {"dtype": args.dtype} if args.dtype else {}  # else EngineConfig's default
+    engine = Engine(EngineConfig(model=args.model, quantization=quantization, **dtype))
+    res["dtype"] = engine.config.dtype
     res["quantization"] = getattr(engine.model, "quantization", None)
+    if any(isinstance(m, GGUFLinear) for m in engine.model.modules()):
+        res["quantization"] = "dense prefill, GGUF-block GEMV decode"
     print("Brigade: prefill, single-stream and batched decode ...", flush=True)
     brigade = measure_brigade(engine, streams, reps)
     res["brigade"] = {k: round(v, 1) for k, v in brigade.items()}
