@@ -300,8 +300,9 @@ BATCH_INVARIANT = declare(Setting[bool](
     readers=("engine",),
 ))  # fmt: skip
 PREFIX_CACHING = declare(Setting[bool](
-    name="BRIGADE_PREFIX_CACHING", kind="bool", default=False,
-    help="reuse the K/V of full blocks a prompt shares with earlier ones",
+    name="BRIGADE_PREFIX_CACHING", kind="bool", default=True,
+    help="reuse the K/V of full blocks a prompt shares with earlier ones of the same tenant "
+    "(the engine stage's default; the offline EngineConfig's is off)",
     readers=("engine",),
 ))  # fmt: skip
 NUM_SPECULATIVE_TOKENS = declare(Setting[int](

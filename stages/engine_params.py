@@ -150,6 +150,9 @@ def engine_config_from_env() -> Any:
     ):
         if found.source(setting) == "env":  # else EngineConfig's own default (the same)
             kwargs[name] = found[setting]
+    # the served engine caches prefixes unless told not to (as SGLang's radix cache and vLLM's
+    # automatic prefix caching are on when serving); each tenant is its own cache domain
+    kwargs["enable_prefix_caching"] = found[settings.PREFIX_CACHING]
     return EngineConfig(**kwargs)
 
 

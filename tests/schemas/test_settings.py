@@ -112,7 +112,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_MAX_NUM_BATCHED_TOKENS": 512,
         "BRIGADE_MAX_MODEL_LEN": None,
         "BRIGADE_BATCH_INVARIANT": False,
-        "BRIGADE_PREFIX_CACHING": False,
+        "BRIGADE_PREFIX_CACHING": True,  # the served engine's default; EngineConfig's is off
         "BRIGADE_NUM_SPECULATIVE_TOKENS": 0,
         "BRIGADE_QUANTIZED_GEMV": True,
         "BRIGADE_CPU_KERNEL": True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 
 import anyio
 import httpx
@@ -344,8 +345,11 @@ async def test_rate_limit_and_overload_answers(pipeline):
     acme = _client(edge)
     refused: list[float] = []
 
+    # a prompt no earlier request shared: its prefill is not in the prefix cache, so it waits
+    long_prompt = [{"role": "user", "content": f"Tell a long story about a {uuid.uuid4().hex}."}]
+
     async def long_run() -> None:
-        await acme.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=300)
+        await acme.chat.completions.create(model=MODEL, messages=long_prompt, max_tokens=300)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(long_run)  # waits for its first token for a while: 300+ tokens reserved

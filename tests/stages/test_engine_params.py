@@ -65,9 +65,9 @@ def test_engine_config_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="BRIGADE_BATCH_INVARIANT='maybe': 'maybe' is not a flag"):
         engine_config_from_env()
     monkeypatch.delenv("BRIGADE_BATCH_INVARIANT")
+    assert engine_config_from_env().enable_prefix_caching is True  # on when served
+    monkeypatch.setenv("BRIGADE_PREFIX_CACHING", "0")
     assert engine_config_from_env().enable_prefix_caching is False
-    monkeypatch.setenv("BRIGADE_PREFIX_CACHING", "1")
-    assert engine_config_from_env().enable_prefix_caching is True
     monkeypatch.delenv("BRIGADE_PREFIX_CACHING")
     monkeypatch.setenv("BRIGADE_NUM_SPECULATIVE_TOKENS", "4")
     assert engine_config_from_env().num_speculative_tokens == 4
