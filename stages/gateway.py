@@ -207,7 +207,24 @@ async def setup(ctx: StageContext) -> GatewayState:
     )
 
 
-def on_invalid(data: bytes, err: Exception) -> RequestFailed:
+async def on_invalid(data: bytes, err: Exception, state: GatewayState | None) -> RequestFailed:
+    """invalid_submit's failure, under a fresh id when the client's id is already claimed: a
+    submit that does not decode names no verifiable tenant, so it may not end another's run."""
+    failed = invalid_submit(data, err)
+    client_id, _ = read_envelope(data)
+    if state is None or client_id is None or failed.request_id != client_id:
+        return failed
+    if await state.ids.owner(client_id) is None:
+        return failed
+    return msgspec.structs.replace(
+        failed,
+        request_id=new_request_id(),
+        message=f"{failed.message} (request_id {client_id!r} belongs to a run already; this "
+        "failure is reported under its own id)",
+    )
+
+
+def invalid_submit(data: bytes, err: Exception) -> RequestFailed:
     """A submit that does not decode still gets a request id and a failed event."""
     request_id, _ = read_envelope(data)
     field = error_field(err)

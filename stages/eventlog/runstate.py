@@ -197,6 +197,6 @@ SPEC = StageSpec(
     handle=_handle,
     setup=_setup,
     skip_cancelled=False,
-    on_invalid=lambda data, err: None,  # not ours to fail: the stage that consumes it does
+    on_invalid=lambda data, err, state: None,  # not ours to fail: the stage that consumes it does
     max_in_flight=64,
 )

@@ -33,6 +33,9 @@ from stages.runtime.service import Service
 Handler = Callable[[Any, Any], "list[Event] | Awaitable[list[Event]]"]
 ServiceFactory = Callable[["StageContext", Any], Service]  # (ctx, setup's state) -> the service
 ReplyFn = Callable[[list[Event]], bytes]
+InvalidFn = Callable[
+    [bytes, Exception, Any], "RequestFailed | None | Awaitable[RequestFailed | None]"
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,9 +62,9 @@ class StageSpec:
     # True: a handler exception (not a StageError) naks the input for redelivery instead of
     # failing the request — for stages whose errors are transient (the ledger's file lock).
     retry_errors: bool = False
-    # Invalid input -> the failed event to publish (None: log and ack). Default: read the
-    # request id and tenant from the raw JSON.
-    on_invalid: Callable[[bytes, Exception], RequestFailed | None] | None = None
+    # Invalid input (raw bytes, the decode error, setup's state) -> the failed event to publish
+    # (None: log and ack), sync or async. Default: read the request id and tenant from the JSON.
+    on_invalid: InvalidFn | None = None
     # When the input carries a reply header, send reply(outputs) there after publishing.
     reply: ReplyFn | None = None
 

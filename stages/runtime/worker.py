@@ -107,9 +107,10 @@ class StageWorker:
         assert self.spec.decoder is not None, "a stage with input has a decoder (__post_init__)"
         return decode_bounded(self.spec.decoder, msg.data)
 
-    def invalid_event(self, data: bytes, err: Exception) -> RequestFailed | None:
+    async def invalid_event(self, data: bytes, err: Exception) -> RequestFailed | None:
         if self.spec.on_invalid is not None:
-            return self.spec.on_invalid(data, err)
+            failed = self.spec.on_invalid(data, err, self.state)
+            return await failed if inspect.isawaitable(failed) else failed
         request_id, tenant = read_envelope(data)
         if request_id is None:
             return None
@@ -129,7 +130,7 @@ class StageWorker:
         try:
             event = self.decode(held.msg)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            failed = self.invalid_event(held.msg.data, err)
+            failed = await self.invalid_event(held.msg.data, err)
             if failed is None:
                 self.log.warning("dropped undecodable message on %s: %s", held.msg.subject, err)
                 await held.ack()

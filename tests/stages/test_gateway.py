@@ -20,7 +20,7 @@ def submit_result(data: bytes) -> RequestAccepted | RequestFailed:
     try:
         submit = decode_submit(data)
     except msgspec.DecodeError as err:
-        return gateway.on_invalid(data, err)
+        return gateway.invalid_submit(data, err)
     (out,) = gateway.handle(submit, None)
     return out
 
@@ -362,6 +362,9 @@ async def test_a_request_id_belongs_to_its_tenant(bus_config: BusConfig, tmp_pat
             invalid = await bus.submit(  # even a submit that would fail stores nothing there
                 Submit(request_id="shared-1", prompt="x", api_key=KEY_B, min_tokens=9, max_tokens=1)
             )
+            undecodable = await bus.submit(  # nor one that does not decode (no tenant to check)
+                b'{"request_id": "shared-1", "prompt": 5, "api_key": "%s"}' % KEY_B.encode()
+            )
             await anyio.sleep(0.3)
             stop.set()
         for refused in (inside, reused, past, bad_key, invalid):
@@ -373,6 +376,10 @@ async def test_a_request_id_belongs_to_its_tenant(bus_config: BusConfig, tmp_pat
             assert refused.request_id != "shared-1" and "shared-1" in refused.message
             (failed,) = await bus.replay(refused.request_id)  # the refusal lives under its own id
             assert isinstance(failed, RequestFailed) and failed.stage == "gateway"
+        assert (undecodable.accepted, undecodable.field) == (False, "prompt")
+        assert undecodable.request_id != "shared-1" and "'shared-1' belongs" in undecodable.message
+        (failed,) = await bus.replay(undecodable.request_id)
+        assert isinstance(failed, RequestFailed) and failed.field == "prompt"
         assert again.accepted and again.request_id == "shared-1"
         assert await _stored(bus, "shared-1") == before  # A's retry was a stored duplicate
         assert await _owner_of(bus, "shared-1") == "tenant-a"
