@@ -39,7 +39,7 @@ from stages.engine_params import (
 )
 from stages.runtime.cpu_priority import CpuPriority, LowPriorityThreads
 from stages.runtime.failures import StageError
-from stages.runtime.service import Held, Service
+from stages.runtime.service import Held, InputService
 from stages.runtime.spec import StageContext, StageSpec
 
 STAGE = "engine"
@@ -91,7 +91,7 @@ class Run:
         return c.seq if c is not None and c.reason == "stop_string" else None
 
 
-class EngineStage(Service):
+class EngineStage(InputService):
     """The engine worker: admission by KV room, a step loop in a thread, cancels that abort."""
 
     def __init__(

@@ -173,13 +173,18 @@ def _refusal(owner: str, name: str) -> AttributeError:
     )
 
 
+class NeedsRealServer(Exception):
+    """A call the fake does not model (a header, a kind of get): the test needs a real server
+    (the `nats_server` fixture), so the fake says so rather than answer wrongly."""
+
+
 def _plain_headers(headers: dict[Any, Any] | None) -> dict[str, str]:
     plain = {
         (k.value if isinstance(k, Enum) else str(k)): str(v) for k, v in (headers or {}).items()
     }
     unknown = {k for k in plain if k.startswith("Nats-") and k not in MODELLED_HEADERS}
     if unknown:
-        raise NotImplementedError(
+        raise NeedsRealServer(
             f"the fake bus does not model the headers {sorted(unknown)}; use the `nats_server` "
             "fixture for this test"
         )
@@ -254,7 +259,7 @@ class FakeJetStream:
     ) -> api.PubAck:
         await anyio.lowlevel.checkpoint()
         if stream is not None or msg_ttl is not None:
-            raise NotImplementedError("the fake bus models no expected-stream or msg_ttl publish")
+            raise NeedsRealServer("the fake bus models no expected-stream or msg_ttl publish")
         self._check_publish(payload)
         return self._store(subject, payload, headers)
 
@@ -270,7 +275,7 @@ class FakeJetStream:
         """As nats-py: a too-large payload raises here, the stream's answer comes in the future."""
         await anyio.lowlevel.checkpoint()
         if stream is not None or msg_ttl is not None:
-            raise NotImplementedError("the fake bus models no expected-stream or msg_ttl publish")
+            raise NeedsRealServer("the fake bus models no expected-stream or msg_ttl publish")
         self._check_publish(payload)
         future: asyncio.Future[api.PubAck] = asyncio.get_running_loop().create_future()
         try:
@@ -291,7 +296,7 @@ class FakeJetStream:
         server's direct-get responder does: no responder without allow_direct, a bare 404."""
         await anyio.lowlevel.checkpoint()
         if next:
-            raise NotImplementedError("the fake bus models no next_by_subj get")
+            raise NeedsRealServer("the fake bus models no next_by_subj get")
         stream = self._server.streams.get(stream_name)
         if direct and (stream is None or not stream.config.allow_direct):
             raise nats.errors.NoRespondersError

@@ -14,6 +14,7 @@ A spec with no input runs only `run`: capacity and admit are never called.
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 from typing import Any, Protocol
@@ -28,21 +29,29 @@ from stages.runtime.failures import StageError
 log = logging.getLogger("brigade.runtime")
 
 
-class Service:
-    """Base of long-running handlers; a stage's `StageSpec.service(ctx, state)` builds one."""
+class Service(abc.ABC):
+    """Base of long-running handlers; a stage's `StageSpec.service(ctx, state)` builds one. A
+    spec with no input (the edge, the archiver) runs only `run`; one with input builds an
+    `InputService`."""
 
+    @abc.abstractmethod
+    async def run(self, stopping: anyio.Event, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """Serve; `task_status.started()` once serving; after `stopping`, finish and return."""
+
+    def on_cancel(self, cancel: CancelRequested) -> None:  # noqa: B027 - most services ignore it
+        """A request was cancelled (late and unknown ids included); called on the event loop."""
+
+
+class InputService(Service):
+    """A long-running handler of the spec's input (the engine)."""
+
+    @abc.abstractmethod
     def capacity(self) -> int:
         """How many new inputs it can take now (the engine: its KV admission)."""
-        return 0
 
+    @abc.abstractmethod
     async def admit(self, held: Held, event: Any) -> None:
-        raise NotImplementedError(f"{type(self).__name__} takes no input")
-
-    async def run(self, stopping: anyio.Event, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        raise NotImplementedError
-
-    def on_cancel(self, cancel: CancelRequested) -> None:
-        """A request was cancelled (late and unknown ids included); called on the event loop."""
+        """Take ownership of one decoded input; settle it exactly once, later."""
 
 
 class _Owner(Protocol):

@@ -53,7 +53,7 @@ from schemas.events import Event, RequestFailed, RunCancelled, encode
 from stages.runtime.bus import Bus, BusConfig
 from stages.runtime.failures import StageError, error_field, new_request_id, read_envelope
 from stages.runtime.pull import ContinuousPull
-from stages.runtime.service import Held, Service
+from stages.runtime.service import Held, InputService, Service
 from stages.runtime.spec import StageContext, StageSpec, with_env_overrides
 
 log = logging.getLogger("brigade.runtime")
@@ -100,6 +100,11 @@ class StageWorker:
             self.state = await self.spec.setup(self.ctx)
         if self.spec.service is not None:
             self.service = self.spec.service(self.ctx, self.state)
+            if self.spec.has_input and not isinstance(self.service, InputService):
+                raise TypeError(
+                    f"stage {self.spec.name!r} has an input, so its service must be an "
+                    f"InputService (capacity, admit), not {type(self.service).__name__}"
+                )
             self.ctx.cancels.on_cancel(self.service.on_cancel)
 
     def decode(self, msg: Msg) -> Any:
@@ -172,7 +177,7 @@ class StageWorker:
 
     async def admit(self, held: Held) -> None:
         """The service path: decode -> (skip if cancelled) -> service.admit, which now owns it."""
-        assert self.service is not None, "admit is only for a service's inputs"
+        assert isinstance(self.service, InputService), "admit is only for a service's inputs"
         live, event = await self._decoded(held)
         if not live:
             return
@@ -306,6 +311,7 @@ class StageWorker:
         """How many inputs the pull may have delivered and not yet handled or admitted."""
         if self.service is None:
             return self.spec.max_in_flight
+        assert isinstance(self.service, InputService), "a stage with input (start checks it)"
         return max(0, self.service.capacity())
 
     def _deliver(self, msg: Msg, work: anyio.abc.TaskGroup) -> None:
@@ -328,7 +334,7 @@ class StageWorker:
 
     async def _admit_loop(self, halt: anyio.Event) -> None:
         """Hand the backlog to the service while its capacity() allows, in arrival order."""
-        assert self.service is not None and self._pull is not None, "a service with input"
+        assert isinstance(self.service, InputService) and self._pull is not None, "with input"
         while not halt.is_set():
             if self._backlog and self.service.capacity() > 0:
                 held = self._backlog.popleft()

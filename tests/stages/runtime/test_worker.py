@@ -25,7 +25,7 @@ from schemas.events import (
 )
 from stages.runtime.bus import Bus, BusConfig
 from stages.runtime.failures import StageError
-from stages.runtime.service import Held, Service
+from stages.runtime.service import Held, InputService, Service
 from stages.runtime.spec import StageSpec
 from stages.runtime.worker import StageWorker, serve
 from tools.stage_procs import connected
@@ -343,7 +343,7 @@ async def test_worker_survives_a_server_restart(tmp_path) -> None:
 # ---- long-running handlers (services) ----
 
 
-class Holder(Service):
+class Holder(InputService):
     """Holds each input until its request is cancelled (then completes it with `authorized`),
     or until the stop for those in `finish_on_stop`; the rest it never settles."""
 
@@ -571,3 +571,26 @@ def test_a_spec_has_exactly_one_handler_and_a_decoder_for_its_input() -> None:
     with pytest.raises(ValueError, match="has no input .* a stage without input is a service="):
         StageSpec(name="x", handle=handle)
     assert not StageSpec(name="x", service=lambda ctx, state: Service()).has_input
+
+
+async def test_a_stage_with_input_refuses_a_service_that_takes_none(
+    bus_config: BusConfig, nats_server
+) -> None:
+    class Door(Service):  # runs, but has no capacity() or admit() for the spec's input
+        async def run(self, stopping, *, task_status) -> None:  # noqa: ANN001
+            task_status.started()
+            await stopping.wait()
+
+    spec = StageSpec(
+        name="door-with-input",
+        input_event="accepted",
+        decoder=decoder_for(RequestAccepted),
+        service=lambda ctx, state: Door(),
+    )
+    with pytest.raises(Exception) as info:  # noqa: PT011 - a group or the error itself
+        await serve(spec, config=bus_config, stop=anyio.Event(), handle_signals=False)
+    errors = info.value.exceptions if isinstance(info.value, BaseExceptionGroup) else [info.value]
+    while any(isinstance(e, BaseExceptionGroup) for e in errors):
+        errors = [x for e in errors for x in getattr(e, "exceptions", [e])]
+    assert [type(e) for e in errors] == [TypeError]
+    assert "must be an InputService (capacity, admit), not Door" in str(errors[0])
