@@ -13,17 +13,15 @@ No compiler, or BRIGADE_CPU_KERNEL=0: `load()` returns None and the engine uses 
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from kernels.cbuild import build_library, cpu_flags
-from kernels.cbuild import is_x86 as _is_x86
+from kernels import cbuild
+from kernels.cbuild import IsaLevels
+from kernels.cbuild import cpu_flags as cpu_flags  # re-exported: the tests read this CPU's
+from kernels.cbuild import is_x86 as _is_x86  # noqa: F401 - re-exported for the tests
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 # -ffast-math lets the compiler vectorize expf and reorder the fp32 sums; the kernel never
@@ -50,116 +48,44 @@ ISA_NEEDS = {
     "none": frozenset(),
 }
 _ISA_CODE = {"avx512bf16": 2, "avx2": 1, "none": 0}  # what the library's kernel_isa() returns
-log = logging.getLogger("brigade.kernels")
+LEVELS = IsaLevels(compiler_flags=_X86_ISA_FLAGS, needs=ISA_NEEDS, codes=_ISA_CODE)
 
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32]
 _ARGTYPES += [_f32, _ptr, _i64, _i32]
 
 
-@dataclass(frozen=True, kw_only=True)
-class KernelOptions:
-    """How `load()` gets the kernel. The engine stage fills these from schemas.settings
-    (BRIGADE_CPU_KERNEL, CC, XDG_CACHE_HOME); kernels never read the environment."""
+class KernelOptions(cbuild.KernelOptions):
+    """BRIGADE_CPU_KERNEL, CC and XDG_CACHE_HOME, and a forced level for tests."""
 
-    enabled: bool = True  # False: always the torch path
-    compiler: str | None = None  # None: cc, else gcc
-    cache_root: Path | None = None  # None: ~/.cache
-    isa: str | None = None  # one of ISA_LEVELS; None: the best this CPU has
-
-    def __post_init__(self) -> None:
-        if self.isa is not None and self.isa not in ISA_LEVELS:
-            raise ValueError(f"isa {self.isa!r} is not one of {', '.join(ISA_LEVELS)}")
+    LEVELS = ISA_LEVELS
 
 
-_options = KernelOptions()
+def _bind(lib: ctypes.CDLL) -> None:
+    fn = lib.paged_attention_bf16
+    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
 
 
-def configure(options: KernelOptions) -> None:
-    """Use `options` from now on, forgetting the kernel loaded under the previous ones."""
-    global _options
-    if options != _options:
-        _options = options
-        load.cache_clear()
-
-
-def cache_dir() -> Path:
-    return (_options.cache_root or Path.home() / ".cache") / "brigade" / "kernels"
+_KERNEL = cbuild.CKernel(
+    title="the CPU paged-attention kernel",
+    source=SOURCE,
+    levels=LEVELS,
+    flag_sets=FLAG_SETS,
+    bind=_bind,
+    fallback="CPU attention uses the torch path",
+    options=KernelOptions(),
+)
+configure = _KERNEL.configure
+cache_dir = _KERNEL.cache_dir
+compiler = _KERNEL.compiler
+chosen_isa = _KERNEL.chosen_isa
+load = _KERNEL.load
+library_isa = LEVELS.of
 
 
 def best_isa(flags: frozenset[str], x86: bool = True) -> str:
     """The best level whose features are all in `flags`; "none" off x86-64."""
-    if not x86:
-        return "none"
-    return next(level for level in ISA_LEVELS if ISA_NEEDS[level] <= flags)
-
-
-def isa_flags(level: str) -> tuple[str, ...]:
-    """Compiler flags of a level; off x86-64 every level is the compiler's default target."""
-    return _X86_ISA_FLAGS[level] if _is_x86() else ()
-
-
-def chosen_isa() -> str:
-    """The level `load()` builds: the forced one, else the best this CPU has."""
-    return _options.isa or best_isa(cpu_flags(), _is_x86())
-
-
-def build(compiler: str, flags: tuple[str, ...], errors: list[str]) -> ctypes.CDLL | None:
-    """Build (or find in the cache) and load the kernel with these flags; a failure is appended
-    to `errors`."""
-    lib = build_library(SOURCE, compiler, flags, cache_dir(), errors)
-    if lib is None:
-        return None
-    fn = lib.paged_attention_bf16
-    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    lib.kernel_isa.argtypes, lib.kernel_isa.restype = [], ctypes.c_int
-    return lib
-
-
-def library_isa(lib: ctypes.CDLL) -> str:
-    """The level a loaded library was compiled for, as it reports itself."""
-    code = lib.kernel_isa()
-    return next(level for level, c in _ISA_CODE.items() if c == code)
-
-
-def compiler() -> str | None:
-    return _options.compiler or shutil.which("cc") or shutil.which("gcc")
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernel library, built on first use; None when it cannot be had here (never raises)."""
-    if not _options.enabled:
-        return None
-    cc = compiler()
-    if cc is None:
-        log.warning("no C compiler (cc/gcc, or $CC): CPU attention uses the torch path")
-        return None
-    level = chosen_isa()
-    lacking = ISA_NEEDS[level] - cpu_flags() if _is_x86() else frozenset()
-    if lacking:  # only a forced level can get here
-        log.warning(
-            "the CPU kernel's isa %r needs CPU features this CPU lacks (%s); choose a lower one "
-            "(%s): CPU attention uses the torch path",
-            level,
-            ", ".join(sorted(lacking)),
-            ", ".join(ISA_LEVELS),
-        )
-        return None
-    errors: list[str] = []
-    for flags in FLAG_SETS:
-        lib = build(cc, (*flags, *isa_flags(level)), errors)
-        if lib is not None:
-            if library_isa(lib) != level:
-                errors.append(f"{' '.join(flags)}: built for {library_isa(lib)}, not {level}")
-                continue
-            log.info("CPU paged-attention kernel: %s (%s)", level, " ".join(isa_flags(level)))
-            return lib
-    log.warning(
-        "could not build the CPU paged-attention kernel; using the torch path:\n%s",
-        "\n".join(errors),
-    )
-    return None
+    return LEVELS.best(flags, x86)
 
 
 def available() -> bool:

@@ -12,17 +12,16 @@ pure-torch definition. No compiler, or `enabled=False`: `load()` returns None.
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from kernels.cbuild import build_library, cpu_flags, is_x86
+from kernels import cbuild
+from kernels.cbuild import IsaLevels
+from kernels.cbuild import cpu_flags as cpu_flags  # re-exported: the tests read this CPU's
+from kernels.cbuild import is_x86 as is_x86  # re-exported for the tests
 
 SOURCE = Path(__file__).with_name("cpu_quant_gemv.c")
 BlockKind = Literal["q4_1", "q8_0"]
@@ -48,99 +47,42 @@ ISA_NEEDS = {
     "none": frozenset(),
 }
 _ISA_CODE = {"avx512": 2, "avx2": 1, "none": 0}  # what the library's kernel_isa() returns
-log = logging.getLogger("brigade.kernels")
+LEVELS = IsaLevels(compiler_flags=_X86_ISA_FLAGS, needs=ISA_NEEDS, codes=_ISA_CODE)
 
 _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32]
 
 
-@dataclass(frozen=True, kw_only=True)
-class GemvOptions:
-    """How `load()` gets the kernel; the engine stage fills these from schemas.settings."""
+class GemvOptions(cbuild.KernelOptions):
+    """The compiler and cache (the switch is EngineConfig.quantized_gemv), a forced level."""
 
-    enabled: bool = True  # False: load() gives None (the engine's dense fp32 path)
-    compiler: str | None = None  # None: cc, else gcc
-    cache_root: Path | None = None  # None: ~/.cache
-    isa: str | None = None  # one of ISA_LEVELS; None: the best this CPU has
-
-    def __post_init__(self) -> None:
-        if self.isa is not None and self.isa not in ISA_LEVELS:
-            raise ValueError(f"isa {self.isa!r} is not one of {', '.join(ISA_LEVELS)}")
+    LEVELS = ISA_LEVELS
 
 
-_options = GemvOptions()
+def _bind(lib: ctypes.CDLL) -> None:
+    for fn in (lib.gemv_q4_1, lib.gemv_q8_0):
+        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
 
 
-def configure(options: GemvOptions) -> None:
-    """Use `options` from now on, forgetting the kernel loaded under the previous ones."""
-    global _options
-    if options != _options:
-        _options = options
-        load.cache_clear()
-
-
-def cache_dir() -> Path:
-    return (_options.cache_root or Path.home() / ".cache") / "brigade" / "kernels"
+_KERNEL = cbuild.CKernel(
+    title="the CPU quantized GEMV kernel",
+    source=SOURCE,
+    levels=LEVELS,
+    flag_sets=FLAG_SETS,
+    bind=_bind,
+    fallback="fp32 GGUF linears use dense weights",
+    options=GemvOptions(),
+)
+configure = _KERNEL.configure
+cache_dir = _KERNEL.cache_dir
+chosen_isa = _KERNEL.chosen_isa
+load = _KERNEL.load
+library_isa = LEVELS.of
 
 
 def best_isa(flags: frozenset[str], x86: bool = True) -> str:
     """The best level whose features are all in `flags`; "none" off x86-64."""
-    if not x86:
-        return "none"
-    return next(level for level in ISA_LEVELS if ISA_NEEDS[level] <= flags)
-
-
-def chosen_isa() -> str:
-    """The level `load()` builds: the forced one, else the best this CPU has."""
-    return _options.isa or best_isa(cpu_flags(), is_x86())
-
-
-def library_isa(lib: ctypes.CDLL) -> str:
-    """The level a loaded library was compiled for, as it reports itself."""
-    code = lib.kernel_isa()
-    return next(level for level, c in _ISA_CODE.items() if c == code)
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernel library, built on first use; None when it cannot be had here (never raises)."""
-    if not _options.enabled:
-        return None
-    cc = _options.compiler or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.warning("no C compiler (cc/gcc, or $CC): fp32 GGUF linears use dense weights")
-        return None
-    level = chosen_isa()
-    x86 = is_x86()
-    lacking = ISA_NEEDS[level] - cpu_flags() if x86 else frozenset()
-    if lacking:  # only a forced level can get here
-        log.warning(
-            "the quantized GEMV's isa %r needs CPU features this CPU lacks (%s); choose one of "
-            "%s: fp32 GGUF linears use dense weights",
-            level,
-            ", ".join(sorted(lacking)),
-            ", ".join(ISA_LEVELS),
-        )
-        return None
-    isa_flags = _X86_ISA_FLAGS[level] if x86 else ()
-    errors: list[str] = []
-    for flags in FLAG_SETS:
-        lib = build_library(SOURCE, cc, (*flags, *isa_flags), cache_dir(), errors)
-        if lib is None:
-            continue
-        for fn in (lib.gemv_q4_1, lib.gemv_q8_0):
-            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-        lib.kernel_isa.argtypes, lib.kernel_isa.restype = [], ctypes.c_int
-        if library_isa(lib) != level:
-            errors.append(f"{' '.join(flags)}: built for {library_isa(lib)}, not {level}")
-            continue
-        log.info("CPU quantized GEMV kernel: %s (%s)", level, " ".join(isa_flags))
-        return lib
-    log.warning(
-        "could not build the CPU quantized GEMV kernel; fp32 GGUF linears use dense weights:\n%s",
-        "\n".join(errors),
-    )
-    return None
+    return LEVELS.best(flags, x86)
 
 
 def available() -> bool:

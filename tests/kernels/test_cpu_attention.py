@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels.paged_attention as pa
-from kernels import cpu_attention
+from kernels import cbuild, cpu_attention
 from kernels.cpu_attention import KernelOptions
 from tests.kernels.paged_cases import TOLERANCE, reference
 from tests.kernels.paged_cases import make_case as make_prefill_case
@@ -194,8 +194,8 @@ def test_each_forced_level_matches_the_reference(level, num_heads, num_kv_heads,
 
 
 def test_a_forced_level_the_cpu_lacks_is_refused_not_run(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda cpuinfo=None: frozenset({"sse2"}))
-    monkeypatch.setattr(cpu_attention, "_is_x86", lambda: True)
+    monkeypatch.setattr(cbuild, "cpu_flags", lambda cpuinfo=None: frozenset({"sse2"}))
+    monkeypatch.setattr(cbuild, "is_x86", lambda: True)
     cpu_attention.configure(KernelOptions(isa="avx2"))
     try:
         assert cpu_attention.chosen_isa() == "avx2"

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import cbuild
 from kernels import cpu_quant_gemv as qg
 from kernels.cpu_quant_gemv import GemvOptions
 
@@ -151,8 +152,8 @@ def test_each_level_is_chosen_from_the_cpu_flags(monkeypatch, caplog):
     assert qg.best_isa(frozenset("sse2 avx avx2 fma f16c".split())) == "avx2"
     assert qg.best_isa(frozenset("sse2 avx avx2".split())) == "none"  # no FMA / F16C
     assert qg.best_isa(zen4, x86=False) == "none"
-    monkeypatch.setattr(qg, "cpu_flags", lambda cpuinfo=None: frozenset({"sse2"}))
-    monkeypatch.setattr(qg, "is_x86", lambda: True)
+    monkeypatch.setattr(cbuild, "cpu_flags", lambda cpuinfo=None: frozenset({"sse2"}))
+    monkeypatch.setattr(cbuild, "is_x86", lambda: True)
     qg.configure(GemvOptions(isa="avx2"))
     try:
         assert qg.load() is None  # a level the CPU lacks is refused, never run
