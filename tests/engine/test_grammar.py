@@ -15,14 +15,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from engine import Engine, EngineConfig, SamplingParams, load_tokenizer, sampler
 from engine.errors import RequestRejected
 from engine.grammar import GrammarCache, mask_words, token_bytes
 from engine.params import Constraint
 from engine.sampler import apply_token_bitmask_, disallowed_tokens
-from tests.engine.tiny_llama import CONFIG
+from tests.engine.tiny_llama import CONFIG, write_weights
 
 
 def obj(required: list[str] | None = None, **props) -> dict:
@@ -98,34 +97,7 @@ def write_tiny_smollm_vocab(path: Path) -> Path:
     """A tiny random Llama (tests/engine/tiny_llama.py's shape) with SmolLM2's tokenizer."""
     path.mkdir(parents=True)
     tok = load_tokenizer("smollm2-135m")
-    c = {**CONFIG, "vocab_size": tok.vocab_size, "torch_dtype": "bfloat16"}
-    g = torch.Generator().manual_seed(0)
-    h, inter, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
-    q_out, kv_out = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-
-    def w(*shape: int, std: float = 0.15) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * std
-
-    tensors = {
-        "model.embed_tokens.weight": w(c["vocab_size"], h, std=1.0),
-        "model.norm.weight": 1.0 + w(h, std=0.1),
-        "lm_head.weight": w(c["vocab_size"], h, std=0.3),
-    }
-    for n in range(c["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        tensors |= {
-            p + "self_attn.q_proj.weight": w(q_out, h),
-            p + "self_attn.k_proj.weight": w(kv_out, h),
-            p + "self_attn.v_proj.weight": w(kv_out, h),
-            p + "self_attn.o_proj.weight": w(h, q_out),
-            p + "mlp.gate_proj.weight": w(inter, h),
-            p + "mlp.up_proj.weight": w(inter, h),
-            p + "mlp.down_proj.weight": w(h, inter),
-            p + "input_layernorm.weight": 1.0 + w(h, std=0.1),
-            p + "post_attention_layernorm.weight": 1.0 + w(h, std=0.1),
-        }
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(c))
+    write_weights(path, {**CONFIG, "vocab_size": tok.vocab_size, "torch_dtype": "bfloat16"})
     tok._backend.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})

@@ -40,9 +40,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_llama(path: Path, seed: int = 0) -> Path:
+def write_weights(path: Path, config: dict, seed: int = 0) -> None:
+    """Random weights of `config`'s shape (model.safetensors) and config.json, seeded."""
     path.mkdir(parents=True, exist_ok=True)
-    c = CONFIG
+    c = config
     g = torch.Generator().manual_seed(seed)
     h, inter, vocab, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
     q_out, kv_out = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
@@ -70,6 +71,10 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
         }
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(c, indent=1))
+
+
+def write_tiny_llama(path: Path, seed: int = 0) -> Path:
+    write_weights(path, CONFIG, seed)
 
     vocab_map = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab_map, unk_token="<unk>"))
