@@ -87,6 +87,11 @@ class Tokenizer:
             raise TypeError(f"encode_text() takes a str, got {type(text).__name__}")
         return self._text_backend.encode(text, add_special_tokens=False).ids
 
+    def text_offsets(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) character offsets of `encode_text(text)`'s tokens (a character split over
+        several byte tokens gives each of them its whole span)."""
+        return list(self._text_backend.encode(text, add_special_tokens=False).offsets)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
