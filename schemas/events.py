@@ -97,6 +97,19 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     guided_grammar: ConstraintText | None = None
 
 
+CollectionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}(?!\n)$")]
+
+
+class Retrieval(Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Retrieval-augmented context: the tenant's collections to search for this request."""
+
+    collections: Annotated[list[CollectionName], Meta(min_length=1, max_length=8)]
+    top_k: Annotated[int, Meta(ge=1, le=64)] = 5  # chunks kept at most
+    over_retrieve: Annotated[int, Meta(ge=1, le=16)] | None = None  # candidates = top_k x this
+    rerank: bool = True  # rerank the candidates with the served model
+    query: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None  # None: last message
+
+
 class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a client publishes to `llm.in` (flat, OpenAI-style sampling fields).
 
@@ -112,6 +125,7 @@ class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     system: Annotated[str, Meta(max_length=MAX_TEXT_CHARS)] | None = None
     documents: Annotated[list[Document], Meta(max_length=MAX_DOCUMENTS)] = []
     truncation: Truncation = "drop_oldest"
+    retrieval: Retrieval | None = None
     priority: Priority | None = None
     idempotency_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
@@ -159,6 +173,7 @@ class Request(Struct, frozen=True, kw_only=True, omit_defaults=True):
     documents: list[Document] = []
     model: str | None = None
     truncation: Truncation = "drop_oldest"
+    retrieval: Retrieval | None = None
     priority: Priority | None = None
     idempotency_key: str | None = None
     sampling: Sampling = Sampling()
@@ -175,6 +190,34 @@ class ContextPart(Struct, frozen=True, kw_only=True):
     num_tokens: int  # tokens kept
     num_dropped_tokens: int = 0
     num_dropped_items: int = 0  # whole messages or documents dropped
+
+
+class RetrievedChunk(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One retrieval candidate: its scores (None: that retriever did not rank it) and fate."""
+
+    chunk_id: str
+    collection: str
+    source: str
+    num_tokens: int
+    fused_score: float
+    vector_score: float | None = None  # cosine similarity
+    keyword_score: float | None = None  # BM25
+    rerank_score: float | None = None  # log P(yes) - log P(no) of the served model
+    kept: bool = False
+    reason: Literal["kept", "rank", "budget"] = "kept"  # rank: below top_k; budget: no room
+
+
+class RetrievalTrace(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What retrieval did for one request (on `assembled`)."""
+
+    collections: list[str]
+    num_candidates: int = 0
+    num_kept: int = 0
+    num_tokens: int = 0  # prompt tokens of the retrieved part
+    search_ns: int = 0  # embedding the query, vector and keyword search, fusion
+    rerank_ns: int = 0
+    rerank_fallback: str | None = None  # why the candidates kept their fused order
+    chunks: list[RetrievedChunk] = []
 
 
 class TokenLogprob(Struct, frozen=True, array_like=True):
@@ -208,6 +251,7 @@ class ContextAssembled(Event, tag="assembled"):
     max_prompt_tokens: int = 0  # context window minus the output reserve
     truncated: bool = False
     fallback: str | None = None  # why `summarize` fell back to dropping without a summary
+    retrieval: RetrievalTrace | None = None
 
 
 class PromptTokenized(Event, tag="tokenized"):

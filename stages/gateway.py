@@ -61,7 +61,7 @@ def normalize(submit: Submit, *, limit_chars: int) -> Request:
     if submit.prompt is not None:
         if not submit.prompt:
             raise _invalid("prompt", "`prompt` is empty")
-        for name in ("system", "documents"):
+        for name in ("system", "documents", "retrieval"):
             if getattr(submit, name):
                 raise _invalid(
                     name, f"`{name}` needs `messages`: a raw `prompt` reaches the model as is"
@@ -93,6 +93,7 @@ def normalize(submit: Submit, *, limit_chars: int) -> Request:
         documents=submit.documents,
         model=submit.model,
         truncation=submit.truncation,
+        retrieval=submit.retrieval,
         priority=submit.priority,
         idempotency_key=submit.idempotency_key,
         sampling=sampling,
