@@ -232,6 +232,11 @@ MAX_DELIVER = declare(Setting[int | None](
     help="deliveries of one message before a stage gives up on it, for every stage",
     readers=WORKERS,
 ))  # fmt: skip
+SHUTDOWN_TIMEOUT_S = declare(Setting[float](
+    name="BRIGADE_SHUTDOWN_TIMEOUT_S", kind="float", default=10.0, gt=0,
+    help="seconds `brigade up` gives its stages to drain on Ctrl-C before it kills what is left",
+    readers=("up",),
+))  # fmt: skip
 
 # The request's path
 MAX_SUBMIT_CHARS = declare(Setting[int](

@@ -19,6 +19,7 @@ IDEMPOTENCY_BUCKET = "brigade_idempotency"
 RUNS_BUCKET = "brigade_runs"
 RATES_BUCKET = "brigade_rates"
 REQUEST_IDS_BUCKET = "brigade_request_ids"  # request id -> the tenant that owns it
+STAGES_BUCKET = "brigade_stages"  # <stage>.<worker> -> its latest heartbeat (liveness, readiness)
 
 # Letters, digits, '_' and '-': no '.', '*', '>' or spaces, so an id is always one subject token.
 # (?!\n) because Python's "$" also matches before a final newline; the form stays valid JSON

@@ -131,6 +131,19 @@ class EngineStage(InputService):
             config=self.admission,
         )
 
+    def health(self) -> dict[str, Any]:
+        """The heartbeat's readiness detail: the model is loaded (this service exists only
+        after it was) and how much KV room is free."""
+        stats = self.engine.stats()
+        return {
+            "model_loaded": True,
+            "num_free_blocks": stats.num_free_blocks,
+            "num_total_blocks": stats.num_total_blocks,
+            "kv_usage": round(stats.kv_usage, 4),
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+        }
+
     async def admit(self, held: Held, event: PromptTokenized) -> None:
         """Take one request (a StageError fails it: the runtime publishes `failed`, acks)."""
         rid = event.request_id

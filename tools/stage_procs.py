@@ -41,6 +41,7 @@ class StageProcesses:
         self.monitor_url = monitor_url
         self.log_level = log_level
         self.procs: dict[str, subprocess.Popen] = {}
+        self._terminated: set[int] = set()  # pids sent SIGTERM
 
     def start(self, name: str) -> subprocess.Popen:
         argv = [sys.executable, "-m", "tools.cli", *command(name)[1:]]
@@ -78,11 +79,17 @@ class StageProcesses:
                 return name, proc.returncode
         return None
 
+    def terminate(self) -> None:
+        """SIGTERM every running child once (each drains its in-flight work); a second SIGTERM
+        would find its handler gone and kill it mid-drain."""
+        for proc in self.procs.values():
+            if proc.poll() is None and proc.pid not in self._terminated:
+                proc.send_signal(signal.SIGTERM)
+                self._terminated.add(proc.pid)
+
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM every child (each drains its in-flight work), SIGKILL what outlives timeout_s."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        self.terminate()
         deadline = time.monotonic() + timeout_s
         for proc in self.procs.values():
             try:

@@ -20,6 +20,7 @@ from tools.stage_procs import StageProcesses
 # and the recorders' file work is off the request's path (they run at low CPU priority).
 CHILD_STAGES = ("engine", "ledger", "archiver")
 CHILD_START_TIMEOUT_S = 600.0
+NATS_STOP_TIMEOUT_S = 2.0  # after the stages: nothing is left to drain, SIGKILL past it
 
 
 def register(subparsers) -> None:
@@ -97,49 +98,39 @@ async def _prepare_bus(config) -> None:
         await bus.close()
 
 
-async def _wait_ready(progress: Progress, name: str, ready, what: str) -> None:
+async def _ready_pids(kv) -> dict[str, set[int]]:
+    """{stage: pids of its workers that beat ready} from the heartbeat bucket."""
+    from stages.runtime.heartbeat import beats
+
+    ready: dict[str, set[int]] = {}
+    for beat in await beats(kv):
+        if beat.ready:
+            ready.setdefault(beat.stage, set()).add(beat.pid)
+    return ready
+
+
+async def _wait_ready(progress: Progress, kv, name: str, pid: int, stop, proc=None) -> bool:
+    """Until stage `name` beats ready from process `pid` (True), or `stop` is set (False);
+    raises RuntimeError when the child `proc` exits first or takes CHILD_START_TIMEOUT_S."""
     import anyio
 
+    what = "engine: loading the model" if name == "engine" else f"starting {name}"
     started = progress.begin(what)
-    while not ready.is_set():
+    while not stop.is_set():
+        if pid in (await _ready_pids(kv)).get(name, set()):
+            progress.end(started, "done" if proc is None else f"done, pid {pid}")
+            return True
+        if proc is not None and proc.poll() is not None:
+            progress.end(started, f"exited with code {proc.returncode}")
+            raise RuntimeError(f"stage {name} exited with code {proc.returncode}")
+        if time.monotonic() - started > CHILD_START_TIMEOUT_S:
+            progress.end(started, "timed out")
+            raise RuntimeError(f"stage {name} was not ready within {CHILD_START_TIMEOUT_S:.0f} s")
         progress.tick(started)
         with anyio.move_on_after(0.2):
-            await ready.wait()
-    progress.end(started)
-
-
-async def _serve_in_process(
-    plan: Plan, names: tuple[str, ...], config, progress: Progress, children: StageProcesses
-) -> int:
-    import anyio
-
-    from tools.stage import serve_stage
-
-    stop = anyio.Event()
-    code = 0
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_stop_on_signals, stop)
-        for name in names:
-            ready = anyio.Event()
-            tg.start_soon(
-                lambda n=name, r=ready: serve_stage(
-                    n, config=config, stop=stop, ready=r, handle_signals=False
-                )
-            )
-            await _wait_ready(progress, name, ready, f"starting {name}")
-        _banner(plan)
-        while not stop.is_set():
-            gone = children.exited()
-            if gone is not None:
-                print(f"stage {gone[0]} exited with code {gone[1]}", file=sys.stderr)
-                code = 1
-                break
-            with anyio.move_on_after(0.5):
-                await stop.wait()
-        else:
-            print("\nstopping: finishing in-flight work ...", file=sys.stderr)
-        stop.set()
-    return code
+            await stop.wait()
+    progress.end(started, "interrupted")
+    return False
 
 
 async def _stop_on_signals(stop) -> None:
@@ -151,87 +142,95 @@ async def _stop_on_signals(stop) -> None:
             return
 
 
-def _start_children(
-    children: StageProcesses, names: tuple[str, ...], progress: Progress, stopping
-) -> int | None:
-    """Start `names` as child processes one after the other, each connected before the next;
-    an exit code when one failed or a signal came first."""
-    for name in names:
-        proc = children.start(name)
-        what = "engine: loading the model" if name == "engine" else f"starting {name}"
-        started = progress.begin(what)
-        try:
-            children.wait_up(
-                name, CHILD_START_TIMEOUT_S, lambda s=started: progress.tick(s), stopping
-            )
-        except RuntimeError as err:
-            progress.end(started, str(err))
-            return 1
-        progress.end(started, f"done, pid {proc.pid}")
-        if stopping():
-            return 130
-    return None
-
-
-def _serve_procs(plan: Plan, progress: Progress, log_level: str) -> int:
-    children = StageProcesses(plan.url, getattr(plan.server, "monitor_url", None), log_level)
-    stopping = _SignalFlag()
-    try:
-        failed = _start_children(children, plan.stages, progress, stopping.is_set)
-        if failed is not None:
-            return failed
-        _banner(plan)
-        while not stopping.is_set():
-            gone = children.exited()
-            if gone is not None:
-                print(f"stage {gone[0]} exited with code {gone[1]}", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
-        print("\nstopping: finishing in-flight work ...", file=sys.stderr)
-        return 0
-    finally:
-        children.stop()
-
-
-def _serve_mixed(plan: Plan, config, progress: Progress, log_level: str) -> int:
-    """The engine and background stages as children, the rest as tasks of this process."""
+async def _serve(plan: Plan, config, progress: Progress, log_level: str, procs: bool) -> int:
+    """Start the children (one after the other, each ready before the next), then the stages
+    of this process; print "up" once every one beats ready; supervise until a signal; stop
+    everything within BRIGADE_SHUTDOWN_TIMEOUT_S of it."""
     import anyio
 
-    own = tuple(n for n in plan.stages if n in CHILD_STAGES)
-    here = tuple(n for n in plan.stages if n not in CHILD_STAGES)
+    from schemas import subjects
+    from stages.runtime import heartbeat
+    from stages.runtime.bus import Bus
+
+    own = plan.stages if procs else tuple(n for n in plan.stages if n in CHILD_STAGES)
+    here = tuple(n for n in plan.stages if n not in own)
     children = StageProcesses(plan.url, getattr(plan.server, "monitor_url", None), log_level)
-    stopping = _SignalFlag()
+    stop = anyio.Event()
+    bus = await Bus.connect(config, name="brigade-up")
+    # the stages' share of the bound; the private NATS stops in what is left of it
+    shutdown = _Shutdown(max(1.0, settings.SHUTDOWN_TIMEOUT_S.get() - NATS_STOP_TIMEOUT_S))
     try:
-        failed = _start_children(children, own, progress, stopping.is_set)
-        if failed is not None:
-            return failed
-        stopping.restore()  # from here the event loop owns SIGINT/SIGTERM
-        return anyio.run(
-            _serve_in_process, plan, here, config, progress, children,
-            backend="asyncio", backend_options={"use_uvloop": True},
-        )  # fmt: skip
+        kv = await bus.kv(subjects.STAGES_BUCKET, ttl_s=heartbeat.TTL_S)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_stop_on_signals, stop)
+            try:
+                code = await _run_stages(plan, config, progress, kv, children, own, here, stop,
+                                         shutdown)  # fmt: skip
+            except RuntimeError as err:
+                print(f"brigade up: {err}", file=sys.stderr)
+                code = 1
+            tg.cancel_scope.cancel()
+        return code
     finally:
-        children.stop()
+        shutdown.begin()
+        children.stop(timeout_s=max(0.5, shutdown.remaining_s()))
+        with anyio.move_on_after(1.0, shield=True):
+            await bus.close()
 
 
-class _SignalFlag:
-    """SIGINT/SIGTERM set a flag while children start (their start-up is a blocking loop)."""
+class _Shutdown:
+    """The one bound on stopping: it starts at the first Ctrl-C (or failure)."""
 
-    def __init__(self) -> None:
-        self._set = False
-        self._previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
-        }
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.deadline: float | None = None
 
-    def _on_signal(self, signum, frame) -> None:
-        self._set = True
+    def begin(self) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.timeout_s
 
-    def is_set(self) -> bool:
-        return self._set
+    def remaining_s(self) -> float:
+        self.begin()
+        return max(0.0, self.deadline - time.monotonic())  # type: ignore[operator]
 
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+
+async def _run_stages(plan, config, progress, kv, children, own, here, stop, shutdown) -> int:
+    import os
+
+    import anyio
+
+    from tools.stage import serve_stage
+    from tools.supervise import ProcessSupervisor, supervise_task
+
+    supervisor = ProcessSupervisor(children)
+    for name in own:
+        proc = children.start(name)
+        supervisor.started(name)
+        if not await _wait_ready(progress, kv, name, proc.pid, stop, proc):
+            return 130
+    async with anyio.create_task_group() as stages:
+        for name in here:
+
+            async def serve_once(n: str = name) -> None:
+                await serve_stage(n, config=config, stop=stop, handle_signals=False)
+
+            stages.start_soon(supervise_task, name, serve_once, stop)
+        code = 0
+        for name in here:
+            if not await _wait_ready(progress, kv, name, os.getpid(), stop):
+                code = 130
+                break
+        else:
+            _banner(plan)
+        while not stop.is_set():
+            supervisor.poll()
+            with anyio.move_on_after(0.5):
+                await stop.wait()
+        print("\nstopping: finishing in-flight work ...", file=sys.stderr)
+        shutdown.begin()
+        children.terminate()  # the children drain beside this process's stages
+        stages.cancel_scope.deadline = anyio.current_time() + shutdown.remaining_s()
+    return code
 
 
 def _banner(plan: Plan) -> None:
@@ -290,10 +289,11 @@ def run(args) -> int:
         source = "generated" if generated else "from BRIGADE_API_KEY or the saved dev key"
         print(f"  dev tenant API key ({source}): {key}", file=sys.stderr)
         plan = Plan(stages=stages, url=url, server=server)
-        if args.procs:
-            return _serve_procs(plan, progress, args.log_level)
-        return _serve_mixed(plan, config, progress, args.log_level)
+        return anyio.run(
+            _serve, plan, config, progress, args.log_level, args.procs,
+            backend="asyncio", backend_options={"use_uvloop": True},
+        )  # fmt: skip
     finally:
         if server is not None:
-            natsd.stop(server)
+            natsd.stop(server, timeout_s=NATS_STOP_TIMEOUT_S)
             print("  NATS stopped", file=sys.stderr)

@@ -22,6 +22,7 @@ from nats.js.kv import KeyValue
 from schemas import settings, subjects
 from schemas.events import AnyEvent, Event, Submit, SubmitReply, decode_event, encode
 from stages.runtime import natsd
+from stages.runtime.heartbeat import TTL_S as HEARTBEAT_TTL_S
 
 log = logging.getLogger("brigade.bus")
 MSG_ID_HEADER = "Nats-Msg-Id"
@@ -184,6 +185,7 @@ class Bus:
             subjects.IDEMPOTENCY_BUCKET: c.idempotency_ttl_s,
             subjects.RUNS_BUCKET: c.events_max_age_s,
             subjects.RATES_BUCKET: c.rates_ttl_s,
+            subjects.STAGES_BUCKET: HEARTBEAT_TTL_S,
         }
         for bucket, ttl in buckets.items():
             await self.kv(bucket, ttl_s=ttl)

@@ -41,6 +41,10 @@ class Service(abc.ABC):
     def on_cancel(self, cancel: CancelRequested) -> None:  # noqa: B027 - most services ignore it
         """A request was cancelled (late and unknown ids included); called on the event loop."""
 
+    def health(self) -> dict[str, Any]:
+        """What the worker's heartbeat reports of the service (the engine: its KV room)."""
+        return {}
+
 
 class InputService(Service):
     """A long-running handler of the spec's input (the engine)."""

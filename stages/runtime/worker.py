@@ -50,8 +50,10 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.bounded import decode_bounded
 from schemas.events import Event, RequestFailed, RunCancelled, encode
+from stages.runtime import heartbeat
 from stages.runtime.bus import Bus, BusConfig
 from stages.runtime.failures import StageError, error_field, new_request_id, read_envelope
+from stages.runtime.heartbeat import Heart
 from stages.runtime.pull import ContinuousPull
 from stages.runtime.service import Held, InputService, Service
 from stages.runtime.spec import StageContext, StageSpec, with_env_overrides
@@ -372,9 +374,15 @@ class StageWorker:
         await self.start()
         stopping, halt = anyio.Event(), anyio.Event()  # halt: stop, or the service ended
         service_done = anyio.Event()
+        heart = Heart(
+            lambda: self.bus.kv(subjects.STAGES_BUCKET, ttl_s=heartbeat.TTL_S),
+            self.spec.name,
+            self.service.health if self.service is not None else dict,
+        )
         async with anyio.create_task_group() as side:
             side.start_soon(self._keep_alive)
             side.start_soon(_relay, stop, halt)
+            side.start_soon(heart.run)
             async with anyio.create_task_group() as work:
                 if self.service is not None:
                     await work.start(self._run_service, stopping, service_done, halt)
@@ -382,6 +390,7 @@ class StageWorker:
                     service_done.set()
                 if self.spec.has_input:
                     await self._start_pull(work, halt)
+                heart.mark_ready()  # `brigade up` waits for this beat
                 if ready is not None:
                     ready.set()
                 if self._pull is not None:
@@ -400,6 +409,7 @@ class StageWorker:
                         await self._settled.wait()
                 work.cancel_scope.cancel()
             side.cancel_scope.cancel()
+        await heart.stop()
         for held in list(self._in_flight.values()):  # past the drain: another worker takes it
             try:
                 await held.nak()

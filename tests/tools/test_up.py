@@ -1,0 +1,121 @@
+"""`brigade up` on an external NATS: "up" only once every stage beats ready; a SIGKILLed stage
+process comes back (backoff, logged) and serves; Ctrl-C stops everything within the bound."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from schemas import subjects
+from schemas.events import Submit
+from stages.runtime import heartbeat
+from stages.runtime.bus import Bus, BusConfig
+from stages.runtime.natsd import NatsServer
+
+
+def _start_up(tmp_path: Path, url: str, stages: str, *extra: str, **env_extra: str):
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "BRIGADE_ARCHIVE_DIR")}
+    env.update(BRIGADE_DATA_DIR=str(tmp_path / "data"), **env_extra)
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.cli", "up", "--nats-url", url, "--stages", stages,
+             "--log-level", "WARNING", *extra],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+    return proc, log_path
+
+
+def _wait_for(log_path: Path, proc: subprocess.Popen, text: bytes, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in log_path.read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no {text!r} in brigade up's log:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen) -> float:
+    """SIGINT (Ctrl-C); the seconds it took to exit."""
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail("brigade up did not stop within 30 s")
+    return time.monotonic() - started
+
+
+async def _ready_pid(config: BusConfig, stage: str, not_pid: int | None, timeout_s: float) -> int:
+    """The pid of a worker of `stage` that beats ready (other than `not_pid`)."""
+    bus = await Bus.connect(config)
+    try:
+        kv = await bus.kv(subjects.STAGES_BUCKET, ttl_s=heartbeat.TTL_S)
+        with anyio.fail_after(timeout_s):
+            while True:
+                pids = {b.pid for b in await heartbeat.beats(kv) if b.stage == stage and b.ready}
+                pids.discard(not_pid)
+                if pids:
+                    return pids.pop()
+                await anyio.sleep(0.2)
+    finally:
+        await bus.close()
+
+
+async def _submit(config: BusConfig, request_id: str) -> bool:
+    bus = await Bus.connect(config)
+    try:
+        reply = await bus.submit(Submit(request_id=request_id, prompt="Hi", api_key="k"))
+        return reply.accepted
+    finally:
+        await bus.close()
+
+
+def test_a_sigkilled_stage_process_comes_back_and_serves(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    config = BusConfig(servers=(nats_server.url,))
+    proc, log_path = _start_up(tmp_path, nats_server.url, "gateway", "--procs")
+    try:
+        _wait_for(log_path, proc, b"Brigade is up", 120)
+        first = anyio.run(_ready_pid, config, "gateway", None, 10.0)
+        assert first != proc.pid  # --procs: the stage is a child
+        assert anyio.run(_submit, config, "before-kill")
+        os.kill(first, signal.SIGKILL)
+        second = anyio.run(_ready_pid, config, "gateway", first, 30.0)
+        assert anyio.run(_submit, config, "after-kill")  # the restarted child serves
+        log = log_path.read_text()
+        assert f"stage gateway (pid {first}) exited with code -9; restarting in" in log
+        assert f"stage gateway started again, pid {second}" in log
+        assert proc.poll() is None  # `up` itself kept running
+    finally:
+        took = _stop(proc)
+    assert proc.returncode == 0 and took < 10.0 + 2.0
+    assert b"NATS stopped" not in log_path.read_bytes()  # an external NATS is not ours to stop
+
+
+def test_a_stage_that_ignores_sigterm_is_killed_within_the_shutdown_bound(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    proc, log_path = _start_up(
+        tmp_path, nats_server.url, "gateway,auth", "--procs", BRIGADE_SHUTDOWN_TIMEOUT_S="4"
+    )
+    config = BusConfig(servers=(nats_server.url,))
+    try:
+        _wait_for(log_path, proc, b"Brigade is up", 120)
+        stuck = anyio.run(_ready_pid, config, "auth", None, 10.0)
+        os.kill(stuck, signal.SIGSTOP)  # hung: neither drains nor answers SIGTERM
+    finally:
+        took = _stop(proc)
+    assert took < 4.0 + 2.0, f"stopping took {took:.1f} s with a 4 s bound"
+    with pytest.raises(ProcessLookupError):
+        os.kill(stuck, 0)  # killed, not left behind
