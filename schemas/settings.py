@@ -23,10 +23,11 @@ PREFIX = "BRIGADE_"
 
 SERVICES = (
     "gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger", "edge", "archiver",
+    "ingest",
 )  # fmt: skip
-TOOLS = ("up", "ask", "status", "keys", "usage", "log", "bench")  # log: sql, report, trace, replay
+TOOLS = ("up", "ask", "status", "keys", "usage", "log", "bench", "docs")  # log: sql, report, trace, replay
 READERS = SERVICES + TOOLS
-WORKERS = ("gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger")
+WORKERS = ("gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger", "ingest")
 BUS_USERS = (*SERVICES, "up", "ask", "status", "log", "bench")
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -258,6 +259,34 @@ SUMMARY_MAX_TOKENS = declare(Setting[int](
     name="BRIGADE_SUMMARY_MAX_TOKENS", kind="int", default=128, ge=1,
     help="most tokens of a summary of dropped history",
     readers=("context",),
+))  # fmt: skip
+
+# Retrieval
+RETRIEVAL_DB = declare(Setting[Path | None](
+    name="BRIGADE_RETRIEVAL_DB", kind="path", default=None,
+    default_text="$BRIGADE_DATA_DIR/retrieval.duckdb",
+    help="DuckDB file of the tenants' document collections, chunks and vectors",
+    readers=("context", "ingest", "edge", "docs", "bench"),
+))  # fmt: skip
+RETRIEVAL_OVER_RETRIEVE = declare(Setting[int](
+    name="BRIGADE_RETRIEVAL_OVER_RETRIEVE", kind="int", default=4, ge=1, le=16,
+    help="candidates searched per kept chunk (top_k x this), unless a request sets over_retrieve",
+    readers=("context",),
+))  # fmt: skip
+RERANK_TIMEOUT_S = declare(Setting[float](
+    name="BRIGADE_RERANK_TIMEOUT_S", kind="float", default=30.0, gt=0,
+    help="seconds the context stage waits for the served model to score the candidates",
+    readers=("context",),
+))  # fmt: skip
+CHUNK_TOKENS = declare(Setting[int](
+    name="BRIGADE_CHUNK_TOKENS", kind="int", default=192, ge=16, le=1024,
+    help="most tokens of the served model in one chunk of an ingested document",
+    readers=("ingest", "docs", "bench"),
+))  # fmt: skip
+CHUNK_OVERLAP = declare(Setting[int](
+    name="BRIGADE_CHUNK_OVERLAP", kind="int", default=32, ge=0, le=512,
+    help="tokens a chunk repeats of the one before it (whole paragraphs, or a long one's window)",
+    readers=("ingest", "docs", "bench"),
 ))  # fmt: skip
 
 # The engine

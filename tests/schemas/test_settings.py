@@ -104,6 +104,11 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_MODEL": "smollm2-135m",
         "BRIGADE_SUMMARY_TIMEOUT_S": 60.0,
         "BRIGADE_SUMMARY_MAX_TOKENS": 128,
+        "BRIGADE_RETRIEVAL_DB": None,
+        "BRIGADE_RETRIEVAL_OVER_RETRIEVE": 4,
+        "BRIGADE_RERANK_TIMEOUT_S": 30.0,
+        "BRIGADE_CHUNK_TOKENS": 192,
+        "BRIGADE_CHUNK_OVERLAP": 32,
         "BRIGADE_DTYPE": "float32",  # the quality set's targets (brigade bench quality)
         "BRIGADE_DEVICE": "cpu",
         "BRIGADE_KV_CACHE_BYTES": 1 << 30,
