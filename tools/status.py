@@ -1,4 +1,7 @@
-"""`brigade status`: the NATS server, Brigade's streams, each stage's durable and its workers."""
+"""`brigade status`: the NATS server, Brigade's streams, each stage's durable and its workers,
+and each stage's live and ready workers from their heartbeats (the engine's KV room with them).
+`--ready STAGE` answers only whether a worker of STAGE on this host beats ready (exit 0, else
+1): compose's healthcheck."""
 
 from __future__ import annotations
 
@@ -12,6 +15,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("status", help="server, streams, consumers (pending) and workers")
     p.add_argument("--nats-url", help="NATS server(s), comma-separated (default: $NATS_URL)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument(
+        "--ready",
+        metavar="STAGE",
+        help="exit 0 when a worker of STAGE on this host beats ready, else 1 (a healthcheck)",
+    )
     p.set_defaults(func=run)
 
 
@@ -32,6 +40,7 @@ async def collect(config, monitor_url: str | None) -> dict:
     from nats.js.errors import NotFoundError
 
     from schemas import subjects
+    from stages.runtime import heartbeat
     from stages.runtime.bus import Bus
 
     with anyio.fail_after(config.connect_timeout_s + 1):  # a dead server must not hang status
@@ -79,9 +88,52 @@ async def collect(config, monitor_url: str | None) -> dict:
                 )
         workers = _workers(monitor_url)
         out["workers"] = None if workers is None else dict(sorted(workers.items()))
+        out["stages"] = heartbeat.by_stage(await _beats(bus))
         return out
     finally:
         await bus.close()
+
+
+async def _beats(bus) -> list:
+    """The live workers' beats; none when no stage has beaten yet (no bucket)."""
+    from nats.js.errors import BucketNotFoundError, NotFoundError
+
+    from schemas import subjects
+    from stages.runtime import heartbeat
+
+    try:
+        kv = await bus.js.key_value(subjects.STAGES_BUCKET)
+    except (BucketNotFoundError, NotFoundError):
+        return []
+    return await heartbeat.beats(kv)
+
+
+async def ready_here(config, stage: str) -> bool:
+    """Whether a worker of `stage` on this host beats ready."""
+    import socket
+
+    import anyio
+
+    from stages.runtime.bus import Bus
+
+    with anyio.fail_after(config.connect_timeout_s + 1):
+        bus = await Bus.connect(config, name="brigade-status")
+    try:
+        host = socket.gethostname()
+        return any(b.stage == stage and b.host == host and b.ready for b in await _beats(bus))
+    finally:
+        await bus.close()
+
+
+def _engine_detail(detail: list[dict]) -> str:
+    parts = []
+    for d in detail:
+        if "num_free_blocks" in d:
+            parts.append(
+                f"model loaded, {d['num_free_blocks']}/{d['num_total_blocks']} KV blocks free, "
+                f"{d.get('num_running', 0)} running"
+            )
+    return "; ".join(parts)
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -119,6 +171,14 @@ def render(status: dict) -> str:
             ]
         )
     lines += ["", _table(rows)]
+    rows = [["stage", "workers", "ready", "pids", "detail"]]
+    for name, st in status.get("stages", {}).items():
+        rows.append([name, str(st["workers"]), str(st["ready"]),
+                     ",".join(map(str, st["pids"])), _engine_detail(st["detail"])])  # fmt: skip
+    if len(rows) > 1:
+        lines += ["", _table(rows)]
+    else:
+        lines += ["", "stages: no worker beats (none is running, or none has started yet)"]
     if status["workers"] is not None:
         rows = [["connection", "count"]] + [[k, str(v)] for k, v in status["workers"].items()]
         lines += ["", _table(rows)]
@@ -138,6 +198,16 @@ def run(args) -> int:
     except (RuntimeError, ValueError) as err:
         print(f"brigade status: {err}", file=sys.stderr)
         return 2
+    if args.ready:
+        try:
+            ok = anyio.run(ready_here, config, args.ready)
+        except Exception as err:  # noqa: BLE001 - not ready is the answer
+            print(
+                f"brigade status: cannot read {', '.join(config.servers)}: {err}", file=sys.stderr
+            )
+            return 1
+        print(f"{args.ready}: {'ready' if ok else 'not ready'}")
+        return 0 if ok else 1
     running = natsd.find_running()
     monitor = running.monitor_url if running and running.url in config.servers else None
     try:

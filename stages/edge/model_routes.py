@@ -1,6 +1,7 @@
 """The served model's routes, as vLLM answers them: GET /v1/models and /v1/models/{id} (with
-`max_model_len`), GET /health (200 only while an engine worker serves), GET /version, and
-POST /tokenize and /detokenize with the served tokenizer and chat template, exactly as the
+`max_model_len`), GET /health (200 only while an engine worker serves; with each stage's live
+and ready workers and the engine's KV room, from their heartbeats), GET /version, and POST
+/tokenize and /detokenize with the served tokenizer and chat template, exactly as the
 tokenize stage encodes a prompt (no special tokens added; the template writes its own).
 """
 
@@ -9,12 +10,14 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
+import anyio
 import msgspec
 from msgspec import Struct
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.tokenizer import Tokenizer
+from schemas import subjects
 from stages.edge.core import Edge
 from stages.edge.errors import RequestError, error_response
 from stages.edge.openai_routes import read_body
@@ -25,6 +28,7 @@ from stages.edge.openai_schema import (
     text_of,
     validate_messages,
 )
+from stages.runtime import heartbeat
 
 MAX_DETOKENIZE_IDS = 1 << 17
 
@@ -110,9 +114,23 @@ class ModelRoutes:
     async def health(self, request: Request) -> Response:
         ready, detail = await self.edge.engine_ready()
         if ready:
-            return JSONResponse({"status": "ok", "detail": detail})
+            body: dict[str, Any] = {"status": "ok", "detail": detail}
+            stages = await self._stages()
+            if stages is not None:
+                body["stages"] = stages
+                body["engine"] = stages.get("engine", {}).get("detail", [])
+            return JSONResponse(body)
         err = RequestError("unavailable", f"not ready to serve: {detail}", retry_after_s=1.0)
         return error_response(err)
+
+    async def _stages(self) -> dict[str, Any] | None:
+        """Each stage's live and ready workers from their heartbeats (None: cannot read them)."""
+        try:
+            with anyio.fail_after(2.0):
+                kv = await self.edge.bus.kv(subjects.STAGES_BUCKET, ttl_s=heartbeat.TTL_S)
+                return heartbeat.by_stage(await heartbeat.beats(kv, timeout_s=1.0))
+        except Exception:  # noqa: BLE001 - readiness is answered without the per-stage detail
+            return None
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": brigade_version()})

@@ -200,6 +200,11 @@ async def test_models_aliases_and_finish_reasons(pipeline):
         assert run["usage"]["completion_tokens"] < 200
         health = await http.get("/health")
         assert (health.status_code, health.json()["status"]) == (200, "ok")
+        stages = health.json()["stages"]  # every stage's workers beat, the engine its KV room
+        assert all(stages[name]["ready"] >= 1 for name in ("gateway", "engine", "ledger"))
+        (engine,) = health.json()["engine"]
+        assert engine["model_loaded"]
+        assert 0 < engine["num_free_blocks"] <= engine["num_total_blocks"]
         tokens = (await http.post("/tokenize", json={"model": ALIAS, "messages": PROMPT})).json()
         assert tokens["count"] == len(tokens["tokens"]) > 5
 

@@ -87,3 +87,17 @@ def test_the_engine_and_background_stages_get_a_low_cpu_weight(compose):
             assert shares == 64, f"{name} runs at the default CPU weight"
         else:
             assert shares is None, f"{name} is on the request's path: default weight (1024)"
+
+
+def test_every_service_has_a_healthcheck_and_waits_for_a_healthy_nats(compose):
+    services = compose["services"]
+    for node in ("nats", "nats-1", "nats-2", "nats-3"):
+        assert "http://127.0.0.1:8222/healthz" in services[node]["healthcheck"]["test"]
+    for name in stage.available():
+        check = services[name]["healthcheck"]
+        assert check["test"] == ["CMD", *entrypoint(), "status", "--ready", name]
+        depends = services[name]["depends_on"]
+        for node in ("nats", "nats-1", "nats-2", "nats-3"):  # the cluster profile's too
+            assert depends[node] == {"condition": "service_healthy", "required": False}
+    assert services["engine"]["healthcheck"]["start_period"] == "300s"  # loads the model
+    assert services["edge"]["depends_on"]["gateway"] == {"condition": "service_healthy"}

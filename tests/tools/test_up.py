@@ -3,6 +3,7 @@ process comes back (backoff, logged) and serves; Ctrl-C stops everything within 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -55,6 +56,13 @@ def _stop(proc: subprocess.Popen) -> float:
     return time.monotonic() - started
 
 
+def _status(url: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tools.cli", "status", "--nats-url", url, *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
 async def _ready_pid(config: BusConfig, stage: str, not_pid: int | None, timeout_s: float) -> int:
     """The pid of a worker of `stage` that beats ready (other than `not_pid`)."""
     bus = await Bus.connect(config)
@@ -90,6 +98,12 @@ def test_a_sigkilled_stage_process_comes_back_and_serves(
         first = anyio.run(_ready_pid, config, "gateway", None, 10.0)
         assert first != proc.pid  # --procs: the stage is a child
         assert anyio.run(_submit, config, "before-kill")
+        status = _status(nats_server.url, "--json")
+        assert status.returncode == 0, status.stderr
+        stages = json.loads(status.stdout)["stages"]
+        assert stages["gateway"]["ready"] == 1 and stages["gateway"]["pids"] == [first]
+        assert _status(nats_server.url, "--ready", "gateway").returncode == 0
+        assert _status(nats_server.url, "--ready", "engine").returncode == 1  # not started
         os.kill(first, signal.SIGKILL)
         second = anyio.run(_ready_pid, config, "gateway", first, 30.0)
         assert anyio.run(_submit, config, "after-kill")  # the restarted child serves
