@@ -113,8 +113,9 @@ class Retrieval(Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_un
 class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a client publishes to `llm.in` (flat, OpenAI-style sampling fields).
 
-    Exactly one of `messages` or `prompt`. `api_key` is hashed by the gateway and never
-    stored in an event.
+    Exactly one of `messages` or `prompt`. The API key travels in the Brigade-Api-Key header
+    (schemas.subjects.API_KEY_HEADER), not here; `api_key` is read from older clients. The
+    gateway hashes it; the key itself is never stored.
     """
 
     request_id: RequestId | None = None
@@ -346,6 +347,46 @@ class RequestFailed(Event, tag="failed"):
     usage: Usage = Usage()
 
 
+class DocumentSubmitted(Event, tag="doc_submitted"):
+    """A document for a tenant's collection (the ingest service's input); `request_id` names
+    this ingestion, not a run. The collection is created if the tenant has none of that name."""
+
+    collection: CollectionName
+    source: Annotated[str, Meta(min_length=1, max_length=1024)]
+    text: Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
+
+
+class DocumentAdded(Event, tag="doc_added"):
+    """The ingest service stored the document (`added` False: the same text was there)."""
+
+    collection: str
+    doc_id: str
+    source: str
+    content_hash: str
+    num_chunks: int
+    num_chars: int
+    added: bool = True
+
+
+class DocumentRejected(Event, tag="doc_rejected"):
+    """The document could not be ingested; `message` says why and what to change."""
+
+    collection: str
+    source: str
+    code: str
+    message: str
+    field: str | None = None
+
+
+class DocumentDeleted(Event, tag="doc_deleted"):
+    collection: str
+    doc_id: str
+
+
+class CollectionDeleted(Event, tag="collection_deleted"):
+    collection: str
+
+
 class RunBilled(Event, tag="billed"):
     status: Literal["completed", "cancelled", "failed"]
     usage: Usage = Usage()
@@ -365,6 +406,11 @@ AnyEvent = (
     | RunCancelled
     | RequestFailed
     | RunBilled
+    | DocumentSubmitted
+    | DocumentAdded
+    | DocumentRejected
+    | DocumentDeleted
+    | CollectionDeleted
 )
 
 EVENT_TYPES: dict[str, type[Event]] = {

@@ -38,6 +38,11 @@ def test_every_event_type_has_a_distinct_past_tense_tag():
             "cancelled",
             "failed",
             "billed",
+            "doc_submitted",
+            "doc_added",
+            "doc_rejected",
+            "doc_deleted",
+            "collection_deleted",
         ]
     )
 
