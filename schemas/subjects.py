@@ -11,6 +11,9 @@ EVENT_ROOT = "llm.ev"  # llm.ev.<request_id>.<event>
 # JetStream keeps no reply subject on a stored message (a core request to llm.in gets the stream's
 # PubAck), so a submitter that wants the gateway's answer names its inbox in this header.
 REPLY_HEADER = "Brigade-Reply-To"
+# A submit's API key travels in this header, not in its body; the gateway hashes it and forwards
+# only the hash, and llm.in's queue is in memory, so the key never rests on disk.
+API_KEY_HEADER = "Brigade-Api-Key"
 
 EVENTS_STREAM = "BRIGADE_EVENTS"  # limits retention, file storage, over llm.ev.>
 SUBMIT_STREAM = "BRIGADE_IN"  # work queue over llm.in: a submission is gone once accepted

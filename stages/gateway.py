@@ -1,14 +1,16 @@
 """Gateway: a JSON submit on `llm.in` -> `accepted` (or `failed` naming the field), and an answer.
 
 It assigns the request id (or keeps a valid client one, claimed for the key's tenant: another
-tenant's id is refused before anything is stored under it), hashes the API key (the key itself
-is never stored), normalizes the submit into a `Request`, and answers on the submit's reply
-inbox (header Brigade-Reply-To) with a `SubmitReply` once the event is stored.
+tenant's id is refused before anything is stored under it), hashes the API key (read from the
+Brigade-Api-Key header, or from the body of an older client; the key itself is never stored),
+normalizes the submit into a `Request`, and answers on the submit's reply inbox (header
+Brigade-Reply-To) with a `SubmitReply` once the event is stored.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -135,6 +137,20 @@ def check_constraint(sampling: Sampling) -> None:
             check(found)
     except RequestRejected as err:
         raise _invalid(err.field or "response_format", err.message) from err
+
+
+def with_key_header(submit: Submit, headers: Mapping[str, str]) -> Submit:
+    """The submit with its API key from the Brigade-Api-Key header (held in memory only: the
+    `accepted` event carries its hash). A key in the body as well must be the same key."""
+    key = headers.get(subjects.API_KEY_HEADER)
+    if key is None:
+        return submit
+    if submit.api_key is not None and submit.api_key != key:
+        raise msgspec.ValidationError(
+            f"two different API keys: send the key once, in the {subjects.API_KEY_HEADER} "
+            "header - at `$.api_key`"
+        )
+    return msgspec.structs.replace(submit, api_key=key)
 
 
 def handle(submit: Submit, state: object) -> list[Event]:
@@ -276,6 +292,7 @@ SPEC = StageSpec(
     subject=subjects.SUBMIT,
     stream=subjects.SUBMIT_STREAM,
     decoder=msgspec.json.Decoder(Submit),
+    with_headers=with_key_header,
     handle=admit,
     setup=setup,
     on_invalid=on_invalid,

@@ -84,8 +84,8 @@ async def ask(args, config, api_key: str | None, out=sys.stdout) -> tuple[Answer
     import msgspec
 
     from schemas import subjects
-    from schemas.events import CancelRequested, Message, Submit, decode_event, encode
-    from stages.runtime.bus import Bus
+    from schemas.events import CancelRequested, Message, Submit, decode_event
+    from stages.runtime.bus import Bus, publish_submit
 
     request_id = uuid.uuid4().hex
     submit = Submit(
@@ -103,9 +103,7 @@ async def ask(args, config, api_key: str | None, out=sys.stdout) -> tuple[Answer
         sub = await bus.nc.subscribe(subjects.request_events(request_id))  # before submitting
         await bus.nc.flush()
         sent_ns = time.time_ns()
-        await bus.js.publish(
-            subjects.SUBMIT, encode(submit), headers={"Nats-Msg-Id": f"{request_id}:submit"}
-        )
+        await publish_submit(bus.js, submit)  # its key in a header, never in the queued body
 
         async def cancel_on_ctrl_c(scope) -> None:
             with anyio.open_signal_receiver(signal.SIGINT) as signals:

@@ -23,8 +23,8 @@ from schemas.events import (
     TextGenerated,
     TokensGenerated,
     decode_event,
-    encode,
 )
+from stages.runtime.bus import publish_submit
 
 TERMINAL = (RunCompleted, RunCancelled, RequestFailed)
 
@@ -138,11 +138,7 @@ class EventTap:
         assert submit.request_id is not None, "submit through the tap with a request_id"
         run = self.watch(submit.request_id)
         run.sent_ns = time.time_ns()
-        await js.publish(
-            subjects.SUBMIT,
-            encode(submit),
-            headers={"Nats-Msg-Id": f"{submit.request_id}:submit"},
-        )
+        await publish_submit(js, submit)  # deduped; its key in a header, never in the body
         return run
 
     async def stop(self) -> None:

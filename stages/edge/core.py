@@ -3,7 +3,8 @@
 It checks the key against the tenants file for a fast 401/403 (the auth stage stays the
 authority), chooses the request id, subscribes to the run's events before it submits, and
 delivers text in `seq` order; a client that leaves cancels its run. A tenant only ever sees,
-resumes or cancels its own runs; a key never appears in an event, a log line or an error.
+resumes or cancels its own runs; a key never appears in an event, a log line or an error, and
+travels to the gateway in a header of the in-memory submit queue, never in a stored body.
 The routes (openai_routes, runs, websocket) stand on this module and errors.py; app.py
 assembles them.
 """
@@ -24,7 +25,7 @@ from starlette.requests import HTTPConnection
 
 from engine.tokenizer import Tokenizer
 from schemas import settings, subjects
-from schemas.events import AnyEvent, CancelRequested, Submit, TextGenerated, decode_event, encode
+from schemas.events import AnyEvent, CancelRequested, Submit, TextGenerated, decode_event
 from stages import gateway
 from stages.edge.admission import AdmissionConfig, AdmissionGate
 from stages.edge.errors import RequestError
@@ -33,7 +34,7 @@ from stages.edge.logprobs import TokenEvents
 from stages.edge.metrics import EdgeMetrics
 from stages.edge.runwatch import RunWatch
 from stages.eventlog.runstate import RunStates
-from stages.runtime.bus import MSG_ID_HEADER, Bus
+from stages.runtime.bus import Bus, publish_submit
 from stages.runtime.failures import StageError
 from stages.tenancy.idempotency import Claim, IdempotencyConflict, IdempotencyStore, request_hash
 from stages.tenancy.ratelimit import estimate_prompt_tokens
@@ -226,7 +227,7 @@ class Edge:
         except StageError as err:
             raise RequestError("invalid_request", err.message, err.field) from None
         request_id = submit.request_id or new_request_id()
-        submit = msgspec.structs.replace(submit, request_id=request_id, api_key=caller.api_key)
+        submit = msgspec.structs.replace(submit, request_id=request_id)
         self.gate.admit(request_id, reserved_tokens(submit), caller.priority)
         try:
             return await self._submit(caller, submit, request_hash(request), request_id, tokens)
@@ -271,8 +272,7 @@ class Edge:
         watch.idempotency_key = submit.idempotency_key
         await watch.start()
         await self.bus.nc.flush()
-        headers = {MSG_ID_HEADER: f"{request_id}:submit"}
-        await self.bus.js.publish(subjects.SUBMIT, encode(submit), headers=headers)
+        await publish_submit(self.bus.js, submit, api_key=caller.api_key)  # the key in a header
         return watch
 
     async def _abandoned(self, claim: Claim) -> bool:

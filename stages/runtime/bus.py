@@ -28,6 +28,8 @@ log = logging.getLogger("brigade.bus")
 MSG_ID_HEADER = "Nats-Msg-Id"
 _reply_decoder = msgspec.json.Decoder(SubmitReply)
 STREAM_NAME_IN_USE = 10058  # JetStream err_code: a stream exists with another configuration
+# Submits wait in memory until the gateway takes them; past this the publisher is refused.
+SUBMIT_STREAM_MAX_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,7 +147,11 @@ class Bus:
     # ---- set-up (idempotent) ----
 
     async def ensure_streams(self) -> None:
-        """The event log over llm.ev.> and the submissions work queue on llm.in."""
+        """The event log over llm.ev.> and the submissions work queue on llm.in.
+
+        The work queue is in memory: a submit (and the API key in its header) lives only until
+        the gateway acks it and never reaches the server's disk. One that a restart drops gets
+        no answer, and its client submits again."""
         c = self.config
         await self._ensure_stream(
             api.StreamConfig(
@@ -164,8 +170,10 @@ class Bus:
                 name=subjects.SUBMIT_STREAM,
                 subjects=[subjects.SUBMIT],
                 retention=api.RetentionPolicy.WORK_QUEUE,
-                storage=api.StorageType.FILE,
+                storage=api.StorageType.MEMORY,
                 max_age=c.idempotency_ttl_s,
+                max_bytes=SUBMIT_STREAM_MAX_BYTES,
+                discard=api.DiscardPolicy.NEW,
                 duplicate_window=c.duplicate_window_s,
                 num_replicas=c.replicas,
             )
@@ -177,7 +185,23 @@ class Bus:
         except BadRequestError as e:
             if e.err_code != STREAM_NAME_IN_USE:
                 raise
-            await self.js.update_stream(config)
+            have = (await self.js.stream_info(config.name)).config
+            if have.storage == config.storage:
+                await self.js.update_stream(config)
+                return
+            # JetStream cannot change a stream's storage in place. The file-backed submit queue
+            # of earlier versions held API keys on disk: deleting it removes its files.
+            info = await self.js.stream_info(config.name)
+            log.warning(
+                "recreating stream %s with %s storage (was %s); %d message(s) waiting in it are "
+                "dropped, their clients get no answer and submit again",
+                config.name,
+                config.storage,
+                have.storage,
+                info.state.messages,
+            )
+            await self.js.delete_stream(config.name)
+            await self.js.add_stream(config)
 
     async def ensure_kv(self) -> None:
         c = self.config
@@ -291,13 +315,14 @@ class Bus:
             {MSG_ID_HEADER: subjects.msg_id(event.request_id, tag, seq)},
         )
 
-    async def submit(self, submit: Submit | bytes, *, timeout_s: float = 10.0) -> SubmitReply:
+    async def submit(
+        self, submit: Submit | bytes, *, api_key: str | None = None, timeout_s: float = 10.0
+    ) -> SubmitReply:
         """Publish a submit to llm.in and wait for the gateway's answer (request id or error)."""
-        payload = submit if isinstance(submit, bytes) else encode(submit)
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, max_msgs=1)
         try:
-            await self.js.publish(subjects.SUBMIT, payload, headers={subjects.REPLY_HEADER: inbox})
+            await publish_submit(self.js, submit, api_key=api_key, reply_to=inbox)
             msg = await sub.next_msg(timeout=timeout_s)
         finally:
             await sub.unsubscribe()
@@ -333,6 +358,40 @@ class Bus:
             except NotFoundError:
                 pass
         return events
+
+
+def submit_message(
+    submit: Submit | bytes, *, api_key: str | None = None, reply_to: str | None = None
+) -> tuple[bytes, dict[str, str]]:
+    """The body and headers of a submit on llm.in. The API key travels in the Brigade-Api-Key
+    header, never in the body: a Submit's `api_key` moves there. Without `reply_to` the queue
+    dedupes it by its request id (a retried publish is queued once); a submit that waits for the
+    gateway's answer is queued every time, so a repeat is answered too."""
+    headers: dict[str, str] = {}
+    if isinstance(submit, Submit):
+        api_key = api_key or submit.api_key
+        if submit.api_key is not None:
+            submit = msgspec.structs.replace(submit, api_key=None)
+        if submit.request_id is not None and reply_to is None:
+            headers[MSG_ID_HEADER] = f"{submit.request_id}:submit"
+        submit = encode(submit)
+    if api_key is not None:
+        headers[subjects.API_KEY_HEADER] = api_key
+    if reply_to is not None:
+        headers[subjects.REPLY_HEADER] = reply_to
+    return submit, headers
+
+
+async def publish_submit(
+    js: JetStreamContext,
+    submit: Submit | bytes,
+    *,
+    api_key: str | None = None,
+    reply_to: str | None = None,
+) -> api.PubAck:
+    """Publish one submit on llm.in (see submit_message) and wait for the queue's ack."""
+    payload, headers = submit_message(submit, api_key=api_key, reply_to=reply_to)
+    return await js.publish(subjects.SUBMIT, payload, headers=headers)
 
 
 def event_tag(event: Event) -> str:

@@ -18,7 +18,7 @@ long-running handler (stages/runtime/service.py). stages/runtime/worker.py serve
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,9 @@ class StageSpec:
     name: str
     input_event: str | tuple[str, ...] | None = None  # tag(s); None with `subject` (the gateway)
     decoder: msgspec.json.Decoder | None = None  # required with an input
+    # (decoded input, the message's headers) -> the input the handler gets, for what travels
+    # beside the body (the gateway: the API key); may raise msgspec.ValidationError as decoding.
+    with_headers: Callable[[Any, Mapping[str, str]], Any] | None = None
     handle: Handler | None = None
     service: ServiceFactory | None = None
     setup: Callable[[StageContext], Awaitable[Any]] | None = None

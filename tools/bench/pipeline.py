@@ -104,8 +104,8 @@ async def through_pipeline(config, api_key: str, work: list[dict], concurrency: 
     import msgspec
 
     from schemas import subjects
-    from schemas.events import Message, Submit, decode_event, encode
-    from stages.runtime.bus import Bus
+    from schemas.events import Message, Submit, decode_event
+    from stages.runtime.bus import Bus, publish_submit
 
     bus = await Bus.connect(config, name="brigade-bench")
     seen: dict[str, Seen] = {}
@@ -141,9 +141,7 @@ async def through_pipeline(config, api_key: str, work: list[dict], concurrency: 
                 ignore_eos=True,
             )
             rec.sent_ns = time.time_ns()
-            await bus.js.publish(
-                subjects.SUBMIT, encode(submit), headers={"Nats-Msg-Id": f"{rid}:submit"}
-            )
+            await publish_submit(bus.js, submit)
             with anyio.fail_after(600):
                 await rec.done.wait()
             await anyio.sleep(0.3)  # let the last deltas and the bill arrive
