@@ -16,15 +16,16 @@ import sys
 # The request's path, in order; `brigade up` and compose run every one of these.
 PIPELINE = ("gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger")
 # Services beside the path, run when their module exists.
-EXTRAS = ("edge", "archiver", "sweeper")
+EXTRAS = ("edge", "archiver", "sweeper", "ingest")
 # Each service's module: the request's path is flat under stages/, the rest in its room.
 MODULES = {name: f"stages.{name}" for name in PIPELINE} | {
     "edge": "stages.edge.app",
     "archiver": "stages.eventlog.archiver",
     "sweeper": "stages.eventlog.sweeper",
+    "ingest": "stages.ingest",
 }
 # Off the request's path: their whole process runs at BRIGADE_BACKGROUND_CPU_PRIORITY.
-BACKGROUND = ("ledger", "archiver")
+BACKGROUND = ("ledger", "archiver", "ingest")
 
 
 def available() -> tuple[str, ...]:

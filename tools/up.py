@@ -18,7 +18,7 @@ from tools.stage_procs import StageProcesses
 
 # Run as child processes even without --procs: the engine's steps would hold this process's GIL,
 # and the recorders' file work is off the request's path (they run at low CPU priority).
-CHILD_STAGES = ("engine", "ledger", "archiver")
+CHILD_STAGES = ("engine", "ledger", "archiver", "ingest")
 CHILD_START_TIMEOUT_S = 600.0
 NATS_STOP_TIMEOUT_S = 2.0  # after the stages: nothing is left to drain, SIGKILL past it
 
