@@ -81,7 +81,7 @@ def _refused(
     )
 
 
-_GRAMMAR = "tool-call parsing, which is not built yet"
+_OLD_API = "not supported; use tools and tool_choice"
 PARAMS: tuple[Param, ...] = (
     # OpenAI's chat and completions parameters, as the `openai` SDK sends them
     _honoured(
@@ -91,8 +91,8 @@ PARAMS: tuple[Param, ...] = (
     ),  # fmt: skip
     _honoured(
         "messages",
-        "roles system, developer (as system), user, assistant; text content "
-        "(a string or text parts)",
+        "roles system, developer (as system), user, assistant (with tool_calls), tool (with "
+        "tool_call_id); text content (a string or text parts)",
         (CHAT,),
     ),  # fmt: skip
     _honoured("prompt", "one string (or a list of one string)", (COMPLETIONS,)),
@@ -128,13 +128,35 @@ PARAMS: tuple[Param, ...] = (
         "text, json_object or json_schema (its schema enforced token by token by the engine's "
         "grammar-constrained sampler; strict or not); an invalid schema is a 400 naming it",
     ),
-    _refused("tools", f"tool calling needs {_GRAMMAR}", _empty_list, "null or []"),
-    _refused("tool_choice", f"tool calling needs {_GRAMMAR}", _null_or("none"), '"none"'),
-    _refused("functions", f"function calling needs {_GRAMMAR}", _empty_list, "null or []", (CHAT,)),
+    _honoured(
+        "tools",
+        "up to 128 functions with JSON-schema parameters, rendered into the system prompt in "
+        "the Hermes format (below); calls come back as `tool_calls`, streamed as deltas",
+        (CHAT,),
+    ),
+    _honoured(
+        "tool_choice",
+        '"none" (tools not shown), "auto" (default with tools: text or calls), "required" or '
+        "a named function; every call is grammar-constrained to its function's parameters",
+        (CHAT,),
+    ),
+    _honoured(
+        "parallel_tool_calls", "false: at most one call (default true: one or more)", (CHAT,)
+    ),
     _refused(
-        "function_call", f"function calling needs {_GRAMMAR}", _null_or("none"), '"none"', (CHAT,)
+        "functions",
+        f"the deprecated functions API is {_OLD_API}",
+        _empty_list,
+        "null or []",
+        (CHAT,),
     ),  # fmt: skip
-    _ignored("parallel_tool_calls", "no effect: no tools can be given", (CHAT,)),
+    _refused(
+        "function_call",
+        f"the deprecated functions API is {_OLD_API}",
+        _null_or("none"),
+        '"none"',
+        (CHAT,),
+    ),  # fmt: skip
     _ignored("user", "the tenant comes from the API key; the value is not stored"),
     _ignored("metadata", "OpenAI's tags for stored completions; not stored", (CHAT,)),
     _refused(

@@ -42,6 +42,7 @@ from stages.edge.openai_schema import (
     usage_chunk,
 )
 from stages.edge.runwatch import RunWatch
+from stages.edge.tool_calls import ToolCallStream, parse
 
 RUN_STATE_HEADER = "X-Brigade-Run-State"  # completed | cancelled (finish_reason reads "stop")
 
@@ -95,6 +96,7 @@ class OpenAIRoutes:
         tokens = TokenEvents(edge.bus.js, rid) if body.num_logprobs is not None else None
         watch = await edge.open_run(caller, submit, tokens)
         run = _Run(watch, kind is ChatCompletionRequest, model, tokens, self._logprobs(body))
+        run.tools = isinstance(body, ChatCompletionRequest) and body.calls_tools
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return await self._stream(caller, run, include_usage)
@@ -142,8 +144,13 @@ class OpenAIRoutes:
         if isinstance(term, RequestFailed):
             return error_response(failure_error(term), rid)
         logprobs = run.logprobs.whole() if run.logprobs is not None else None
-        body = full_response(run.chat, rid, _created(term), run.model, "".join(texts),
-                             finish_reason(term), term.usage, logprobs)  # fmt: skip
+        text: str | None = "".join(texts)
+        reason, calls = finish_reason(term), None
+        if run.tools:
+            text, calls = parse(rid, text)
+            reason = "tool_calls" if calls and reason == "stop" else reason
+        body = full_response(run.chat, rid, _created(term), run.model, text, reason,
+                             term.usage, logprobs, calls)  # fmt: skip
         headers = {"X-Request-Id": rid, RUN_STATE_HEADER: _state(term)}
         return JSONResponse(body, headers=headers)
 
@@ -171,10 +178,17 @@ class OpenAIRoutes:
                 return sse(chat_chunk(rid, created, model, delta, reason, logprobs))
             return sse(completion_chunk(rid, created, model, text, reason, logprobs))
 
+        calls = ToolCallStream(rid) if run.tools else None
+
         async def pieces(delta: TextGenerated) -> AsyncIterator[bytes]:
             logprobs = await run.logprobs_of(delta)
-            if delta.text or logprobs is not None:
-                yield chunk(delta.text, None, logprobs)
+            if calls is None:
+                if delta.text or logprobs is not None:
+                    yield chunk(delta.text, None, logprobs)
+                return
+            parts = calls.feed(delta.text) or ([{}] if logprobs is not None else [])
+            for i, part in enumerate(parts):
+                yield sse(chat_chunk(rid, created, model, part, None, logprobs if i == 0 else None))
 
         async def events() -> AsyncIterator[bytes]:
             try:
@@ -192,7 +206,12 @@ class OpenAIRoutes:
                 if isinstance(term, RequestFailed):
                     yield sse(error_body(failure_error(term)))
                 elif term is not None:
-                    yield chunk("", finish_reason(term), None)
+                    reason = finish_reason(term)
+                    if calls is not None:
+                        for part in calls.end():
+                            yield sse(chat_chunk(rid, created, model, part, None))
+                        reason = "tool_calls" if calls.num_complete and reason == "stop" else reason
+                    yield chunk("", reason, None)
                     if include_usage:
                         yield sse(usage_chunk(chat, rid, created, model, term.usage))
                 yield b"data: [DONE]\n\n"
@@ -223,6 +242,7 @@ class _Run:
     ) -> None:
         self.watch, self.chat, self.model = watch, chat, model
         self.tokens, self.logprobs = tokens, logprobs
+        self.tools = False  # the output may hold tool calls (tool_calls.py parses them)
 
     async def logprobs_of(self, delta: TextGenerated) -> dict[str, Any] | None:
         """The logprobs of the tokens behind this text delta (None when not asked or none)."""

@@ -19,6 +19,17 @@ from schemas.bounded import JsonBoundsError, decode_bounded
 from schemas.events import RunCancelled, RunCompleted, Submit, Usage
 from stages.edge.errors import RequestError
 from stages.edge.openai_params import CHAT, COMPLETIONS, check_params
+from stages.edge.tool_calls import (
+    NamedToolChoice,
+    ToolCall,
+    ToolChoice,
+    Tools,
+    assistant_text,
+    check_tools,
+    tool_grammar,
+    tool_result_text,
+    tools_prompt,
+)
 
 _WIRE = {f.name: f.type for f in msgspec.structs.fields(Submit)}
 Temperature = _WIRE["temperature"]
@@ -47,9 +58,11 @@ class TextPart(Struct, frozen=True, forbid_unknown_fields=True):
     text: str
 
 
-class ChatMessage(Struct, frozen=True, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant"]
+class ChatMessage(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class StreamOptions(Struct, frozen=True, forbid_unknown_fields=True):
@@ -88,8 +101,21 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_f
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: ChatTopLogprobs | None = None
-    parallel_tool_calls: bool | None = None  # ignored
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None  # ignored
+
+    @property
+    def tool_mode(self) -> ToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def calls_tools(self) -> bool:
+        """The output may hold tool calls: tools given, and tool_choice not "none"."""
+        return bool(self.tools) and self.tool_mode != "none"
 
     @property
     def num_logprobs(self) -> int | None:
@@ -111,7 +137,7 @@ _MISSING_RE = re.compile(r"missing required field `([^`]+)`")
 _UNKNOWN_RE = re.compile(r"unknown field `([^`]+)`")
 _AT_RE = re.compile(r" - at `\$(.*)`$")
 _REFUSED_PARTS = ("image_url", "input_audio", "file", "refusal")
-_MESSAGE_FIELDS = ("role", "content")
+_MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id")
 
 
 def param_of(err: msgspec.ValidationError) -> str | None:
@@ -130,8 +156,8 @@ def _detail(err: msgspec.ValidationError) -> str:
 
 
 def validate_messages(raw: Any) -> Any:
-    """Refuse tool and function turns, speaker names and non-text parts by their path; returns
-    the messages without their no-op fields (null or empty tool_calls, refusal, audio)."""
+    """Refuse function turns, speaker names and non-text parts by their path; returns the
+    messages without their no-op fields (null refusal and audio, empty tool_calls)."""
     if not isinstance(raw, list):
         return raw  # the struct names the type error
     kept: list[Any] = []
@@ -140,12 +166,12 @@ def validate_messages(raw: Any) -> Any:
             kept.append(m)
             continue
         at = f"messages[{i}]"
-        if m.get("role") in ("tool", "function"):
+        if m.get("role") == "function":
             raise RequestError(
                 "unsupported_parameter",
-                f"{at}.role={m['role']!r}: tool and function results need tool calling, which is "
-                "not supported yet (see `tools`); roles allowed: system, developer, user, "
-                "assistant",
+                f"{at}.role='function': the deprecated functions API is not supported; send "
+                "`tools` and answer a call with a `tool` message; roles allowed: system, "
+                "developer, user, assistant, tool",
                 f"{at}.role",
             )
         for name, value in m.items():
@@ -158,18 +184,19 @@ def validate_messages(raw: Any) -> Any:
                     "name; put it in the content",
                     f"{at}.name",
                 )
-            if name in ("tool_calls", "function_call", "refusal", "audio", "name"):
+            if name in ("function_call", "refusal", "audio", "name"):
                 if value is None or value == []:
                     continue
                 raise RequestError(
                     "unsupported_parameter",
-                    f"{at}.{name} is not supported: tool calling and audio are not supported "
-                    "yet; allowed: null",
+                    f"{at}.{name} is not supported: the deprecated function calls and audio "
+                    "are not supported (calls go in tool_calls); allowed: null",
                     f"{at}.{name}",
                 )
             raise RequestError(
                 "unknown_parameter",
-                f"unknown field `{name}` in {at}; a message takes role and content",
+                f"unknown field `{name}` in {at}; a message takes role, content, tool_calls "
+                "(assistant) and tool_call_id (tool)",
                 f"{at}.{name}",
             )
         content = m.get("content")
@@ -183,7 +210,7 @@ def validate_messages(raw: Any) -> Any:
                         "allowed: text",
                         f"{at}.content[{j}].type",
                     )
-        kept.append({k: v for k, v in m.items() if k in _MESSAGE_FIELDS})
+        kept.append({k: v for k, v in m.items() if k in _MESSAGE_FIELDS and v != []})
     return kept
 
 
@@ -238,12 +265,16 @@ def _check_together(req: OpenAIRequest) -> None:
         if not req.messages:
             raise RequestError("invalid_request", "messages must not be empty", "messages")
         for i, m in enumerate(req.messages):
-            if m.content is None:
-                raise RequestError(
-                    "invalid_request",
-                    f"messages[{i}].content is null; a {m.role} message needs text content",
-                    f"messages[{i}].content",
-                )
+            _check_message(i, m)
+        check_tools(req.tools or [], req.tool_mode)
+        if req.calls_tools and _structured(req):
+            raise RequestError(
+                "invalid_request",
+                f"tool_choice {_show_choice(req.tool_mode)} with tools constrains the output to "
+                "the tools' calls; it cannot also follow response_format or a guided_* field "
+                '(set tool_choice: "none", or drop the structured-output field)',
+                "tool_choice",
+            )
     elif not isinstance(req.prompt, str) and len(req.prompt) != 1:
         raise RequestError(
             "invalid_request",
@@ -251,6 +282,56 @@ def _check_together(req: OpenAIRequest) -> None:
             "request are not supported yet",
             "prompt",
         )
+
+
+def _check_message(i: int, m: ChatMessage) -> None:
+    at = f"messages[{i}]"
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise RequestError(
+            "invalid_request",
+            f"{at}.content is null; a {m.role} message needs text content (an assistant "
+            "message may have tool_calls instead)",
+            f"{at}.content",
+        )
+    if m.tool_calls and m.role != "assistant":
+        raise RequestError(
+            "invalid_request", f"{at}.tool_calls: only an assistant message has tool_calls",
+            f"{at}.tool_calls",
+        )  # fmt: skip
+    if (m.tool_call_id is None) == (m.role == "tool"):
+        why = "a tool message needs the id of the call it answers" if m.role == "tool" else (
+            "only a tool message answers a call")  # fmt: skip
+        raise RequestError("invalid_request", f"{at}.tool_call_id: {why}", f"{at}.tool_call_id")
+
+
+def _structured(req: OpenAIRequest) -> bool:
+    fmt = req.response_format
+    other = (req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar)
+    return (fmt is not None and fmt.type != "text") or any(v is not None for v in other)
+
+
+def _show_choice(choice: ToolChoice) -> str:
+    return f"{choice.function.name!r}" if isinstance(choice, NamedToolChoice) else f"{choice!r}"
+
+
+def wire_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The conversation as the wire's system/user/assistant messages: developer as system,
+    an assistant's tool calls written after its text, a tool result as a user turn in
+    `<tool_response>`, and the tools (unless tool_choice is "none") in the system prompt,
+    after the request's own leading system messages (tool_calls.py has the format)."""
+    out: list[dict[str, str]] = []
+    for m in req.messages:
+        if m.role == "tool":
+            out.append({"role": "user", "content": tool_result_text(text_of(m))})
+        elif m.role == "assistant" and m.tool_calls:
+            out.append({"role": "assistant", "content": assistant_text(text_of(m), m.tool_calls)})
+        else:
+            out.append({"role": "system" if m.role == "developer" else m.role,
+                        "content": text_of(m)})  # fmt: skip
+    if req.tools and req.calls_tools:
+        leading = next((i for i, m in enumerate(out) if m["role"] != "system"), len(out))
+        out.insert(leading, {"role": "system", "content": tools_prompt(req.tools)})
+    return out
 
 
 def text_of(msg: ChatMessage) -> str:
@@ -284,11 +365,11 @@ def to_submit(req: OpenAIRequest, **extra: Any) -> Submit:
     """The wire submit; `extra` carries model, request_id, api_key, idempotency_key."""
     fields: dict[str, Any] = {"model": req.model, **extra}
     if isinstance(req, ChatCompletionRequest):
-        fields["messages"] = [
-            {"role": "system" if m.role == "developer" else m.role, "content": text_of(m)}
-            for m in req.messages
-        ]
+        fields["messages"] = wire_messages(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
+        parallel = req.parallel_tool_calls is not False  # OpenAI's default: true
+        if (lark := tool_grammar(req.tools or [], req.tool_mode, parallel)) is not None:
+            fields["guided_grammar"] = lark
     else:
         fields["prompt"] = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
         max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default
@@ -380,17 +461,21 @@ def full_response(
     rid: str,
     created: int,
     model: str,
-    text: str,
+    text: str | None,
     finish_reason: str,
     usage: Usage,
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     assert finish_reason in FINISH_REASONS, f"{finish_reason!r} is not an SDK finish_reason"
     if chat:
         body = chat_chunk(rid, created, model, {}, finish_reason, logprobs)
         body["object"] = "chat.completion"
         body["choices"][0].pop("delta")
-        body["choices"][0]["message"] = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        body["choices"][0]["message"] = message
     else:
         body = completion_chunk(rid, created, model, text, finish_reason, logprobs)
     body["usage"] = usage_body(usage)

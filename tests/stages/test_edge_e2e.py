@@ -170,9 +170,10 @@ async def test_models_aliases_and_finish_reasons(pipeline):
     assert info.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(
-            model=MODEL, messages=PROMPT, tools=[{"type": "function", "function": {"name": "f"}}]
-        )
-    assert info.value.body["param"] == "tools"
+            model=MODEL, messages=PROMPT, tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        )  # fmt: skip
+    assert info.value.body["param"] == "tool_choice.function.name"
     stopped = await client.completions.create(
         model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[","]
     )
@@ -568,3 +569,139 @@ async def test_a_keyed_retry_of_a_run_cancelled_before_the_engine_gets_its_end(p
         assert decode_event(msg.data).status == "cancelled"
     finally:
         await bus.close()
+
+
+MULTIPLY = {
+    "type": "function",
+    "function": {
+        "name": "multiply",
+        "description": "Multiply two integers a and b.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+        },
+    },
+}
+ASK_MUL = [{"role": "user", "content": "What is 6 times 7?"}]
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+async def test_tool_calls_through_the_sdk_whole_and_streamed(pipeline):
+    """A named function and "required": the arguments always parse and follow the schema, the
+    answer is finish_reason tool_calls with content null; streamed, the deltas (id, type and
+    name first, then argument pieces) add up to the whole answer's calls; a tool result in the
+    history is answered."""
+    edge, _ = pipeline
+    client = _client(edge)
+    args = {"model": MODEL, "messages": ASK_MUL, "max_tokens": 60, "temperature": 0.0,
+            "tools": [MULTIPLY, WEATHER]}  # fmt: skip
+    named = {"type": "function", "function": {"name": "multiply"}}
+    whole = await client.chat.completions.create(
+        **args, tool_choice=named, parallel_tool_calls=False
+    )
+    choice = whole.choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    calls = _calls(choice.message)
+    assert len(calls) == 1 and calls[0][0] == "multiply"
+    assert all(set(a) == {"a", "b"} and all(isinstance(v, int) for v in a.values())
+               for _, a in calls)  # fmt: skip
+    assert choice.message.tool_calls[0].id.startswith("call_")
+
+    stream = await client.chat.completions.create(
+        **args, tool_choice=named, parallel_tool_calls=False, stream=True
+    )
+    pieces: dict[int, dict] = {}
+    reasons = []
+    async for chunk in stream:
+        for c in chunk.choices:
+            reasons.append(c.finish_reason)
+            for part in c.delta.tool_calls or []:
+                got = pieces.setdefault(part.index, {"id": part.id, "name": None, "args": []})
+                if part.function.name:
+                    got["name"] = part.function.name
+                got["args"].append(part.function.arguments or "")
+    assert [(p["name"], json.loads("".join(p["args"]))) for p in pieces.values()] == calls
+    assert all(len(p["args"]) >= 2 for p in pieces.values())  # arguments arrive in pieces
+    assert reasons[-1] == "tool_calls"
+
+    several = await client.chat.completions.create(**{**args, "max_tokens": 40},
+                                                   tool_choice="required")  # fmt: skip
+    assert several.choices[0].message.tool_calls  # one or more (40 tokens may cut the last)
+    assert all(name in ("multiply", "weather") for name, _ in _calls(several.choices[0].message))
+    auto = await client.chat.completions.create(**args)  # auto: text or calls, whichever
+    message = auto.choices[0].message
+    assert message.tool_calls or message.content
+
+    call = choice.message.tool_calls[0]
+    history = [*ASK_MUL, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "42"}]  # fmt: skip
+    answer = await client.chat.completions.create(
+        model=MODEL, messages=history, tools=[MULTIPLY], tool_choice="none", max_tokens=12,
+        temperature=0.0,
+    )  # fmt: skip
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+
+
+async def test_langchain_bind_tools_and_with_structured_output(pipeline):
+    """langchain-openai's ChatOpenAI, unmodified, against the edge: bind_tools (a named tool and
+    auto) and with_structured_output by json_schema, json_mode and function_calling."""
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    edge, _ = pipeline
+
+    @tool
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers a and b."""
+        return a * b
+
+    class City(BaseModel):
+        """A city and its country."""
+
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+
+    llm = ChatOpenAI(
+        model=MODEL, base_url=f"{edge.url}/v1", api_key=ACME_KEY, temperature=0, max_tokens=48,
+        max_retries=0,
+    )  # fmt: skip
+    question = [HumanMessage("What is 6 times 7? Use the tool.")]
+    named = llm.bind_tools([multiply], tool_choice="multiply", parallel_tool_calls=False)
+    called = await named.ainvoke(question)
+    assert called.tool_calls and called.tool_calls[0]["name"] == "multiply"
+    assert set(called.tool_calls[0]["args"]) == {"a", "b"}
+    assert multiply.invoke(called.tool_calls[0]["args"]) == (
+        called.tool_calls[0]["args"]["a"] * called.tool_calls[0]["args"]["b"])  # fmt: skip
+    free = await llm.bind_tools([multiply], max_tokens=16).ainvoke(question)
+    assert free.tool_calls or free.content
+    streamed = None
+    required = llm.bind_tools([multiply], tool_choice="any", parallel_tool_calls=False)
+    async for piece in required.astream(question):
+        streamed = piece if streamed is None else streamed + piece
+    assert streamed.tool_calls and streamed.tool_calls[0]["name"] == "multiply"
+
+    ask = "Name a city in France as JSON with keys name and country."
+    for method in ("json_schema", "function_calling"):
+        city = await llm.with_structured_output(City, method=method).ainvoke(ask)
+        assert isinstance(city, City), method
+    anyjson = await llm.with_structured_output(method="json_mode").ainvoke(ask)
+    assert isinstance(anyjson, dict)

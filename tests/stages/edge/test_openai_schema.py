@@ -137,8 +137,24 @@ BAD: dict[str, list] = {
         {"type": "json_schema", "json_schema": {"name": ""}},
         {"type": "json_schema", "json_schema": {"schema": "x"}},
     ],  # fmt: skip
-    "tools": [[{"type": "function", "function": {"name": "f"}}], "x", {}],
-    "tool_choice": ["auto", "required", {"type": "function"}, 1],
+    "tools": [
+        [{"type": "function", "function": {"name": "bad name"}}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+        [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+        [{"type": "function", "function": {"name": "f"}}] * 2,
+        [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)],
+        [{"function": {"name": "f"}}],
+        [{"type": "function", "function": {"name": "f", "bogus": 1}}],
+        "x",
+        {},
+    ],
+    "tool_choice": [
+        "required",  # without tools
+        "sometimes",
+        {"type": "function"},
+        {"type": "function", "function": {"name": "f"}},  # not among the tools
+        1,
+    ],
     "functions": [[{"name": "f"}], "x"],
     "function_call": ["auto", {"name": "f"}],
     "parallel_tool_calls": ["x", 1],
@@ -231,13 +247,13 @@ def test_unknown_and_missing_parameters_are_named(endpoint):
 
 def test_refusals_say_why_and_what_is_allowed():
     with pytest.raises(RequestError) as info:
-        _chat(tools=[{"type": "function", "function": {"name": "f"}}])
-    assert (info.value.code, info.value.field) == ("unsupported_parameter", "tools")
-    assert "tool-call parsing" in info.value.message and "allowed: null or []" in info.value.message
+        _chat(functions=[{"name": "f"}])
+    assert (info.value.code, info.value.field) == ("unsupported_parameter", "functions")
+    assert "use tools" in info.value.message and "allowed: null or []" in info.value.message
     with pytest.raises(RequestError) as info:
-        _chat(messages=[{"role": "tool", "content": "42", "tool_call_id": "c1"}])
+        _chat(messages=[{"role": "function", "content": "42", "name": "f"}])
     assert info.value.field == "messages[0].role"
-    assert "tool calling" in info.value.message
+    assert "tool` message" in info.value.message
     with pytest.raises(RequestError) as info:
         _chat(logprobs=True, top_logprobs=21)
     assert info.value.field == "top_logprobs" and "<= 20" in info.value.message
