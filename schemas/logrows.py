@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 
 from schemas import settings
+from schemas.bounded import decode_bounded
 
 # Column name -> DuckDB type, in file order. `stream_seq` is the JetStream sequence (unique in
 # the log); `stored_ns` is the server's store time; `num_tokens` is len(token_ids) of a `tokens`
@@ -51,15 +52,16 @@ _row_encoder = msgspec.json.Encoder()
 
 
 def row_from_message(stream_seq: int, stored_ns: int, subject: str, data: bytes) -> dict:
-    """A row for one stored message. A payload that is not an event is still archived (the log
-    keeps everything): its type and request id then come from the subject."""
+    """A row for one stored message. A payload that is not an event (not JSON, nested too deep,
+    wrong types) is still archived (the log keeps everything): its type and request id then
+    come from the subject."""
     parts = subject.split(".")
     subject_type = parts[-1] if len(parts) >= 4 else None
     subject_request = parts[2] if len(parts) >= 4 else None
     text_data = data.decode("utf-8", errors="replace")
-    try:
-        head = _header_decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    try:  # bounded: a payload nested too deep is kept as data, not a RecursionError
+        head = decode_bounded(_header_decoder, data)
+    except msgspec.DecodeError:  # ValidationError (JsonBoundsError too) is one
         head = _Header()
     return {
         "stream_seq": stream_seq,

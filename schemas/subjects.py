@@ -17,6 +17,8 @@ API_KEY_HEADER = "Brigade-Api-Key"
 
 EVENTS_STREAM = "BRIGADE_EVENTS"  # limits retention, file storage, over llm.ev.>
 SUBMIT_STREAM = "BRIGADE_IN"  # work queue over llm.in: a submission is gone once accepted
+DEAD_STREAM = "BRIGADE_DEAD"  # limits retention over llm.dead.>: what no consumer could handle
+DEAD_ROOT = "llm.dead"  # llm.dead.<consumer>
 
 IDEMPOTENCY_BUCKET = "brigade_idempotency"
 RUNS_BUCKET = "brigade_runs"
@@ -50,6 +52,14 @@ ALL_EVENTS = f"{EVENT_ROOT}.>"
 def msg_id(request_id: str, event: str, seq: int | None = None) -> str:
     """`Nats-Msg-Id` for JetStream dedupe: a retried publish is stored once."""
     return f"{request_id}:{event}" if seq is None else f"{request_id}:{event}:{seq}"
+
+
+def dead_letter(consumer: str) -> str:
+    """Where `consumer` records a message it could not decode or handle (deadletter.py)."""
+    return f"{DEAD_ROOT}.{consumer}"
+
+
+ALL_DEAD = f"{DEAD_ROOT}.>"
 
 
 def max_deliveries_advisory(stream: str, durable: str) -> str:

@@ -185,7 +185,10 @@ class Edge:
             return None
         if not msg.data:
             return None
-        return decode_event(msg.data).tenant
+        try:
+            return decode_event(msg.data).tenant
+        except msgspec.DecodeError:  # a poison stored on the subject names no owner
+            return None
 
     async def owned(self, caller: Caller, request_id: str) -> None:
         """404 for a run that does not exist and for another tenant's run alike."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 
+import msgspec
 import nats.errors
 from nats.js.errors import NotFoundError
 from starlette.requests import Request
@@ -81,7 +82,10 @@ class RunRoutes:
             msg = await self.edge.bus.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
         except NotFoundError:
             return None
-        return getattr(decode_event(msg.data), "seq", None) if msg.data else None
+        try:
+            return getattr(decode_event(msg.data), "seq", None) if msg.data else None
+        except msgspec.DecodeError:  # a poison stored on the subject: no text seq to report
+            return None
 
     async def stream(self, request: Request) -> Response:
         edge = self.edge

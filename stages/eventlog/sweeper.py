@@ -26,6 +26,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from schemas import subjects
+from schemas.bounded import decode_bounded
 from schemas.events import TERMINAL_EVENTS, CancelRequested, RunCancelled, decode_event
 from stages.eventlog.runstate import TERMINAL, RunRecord
 from stages.runtime.bus import Bus
@@ -99,20 +100,25 @@ class Sweeper(Service):
                 break
             if record.state in TERMINAL or record.state == "billed":
                 continue
-            idle_s = (self.clock() - await self._last_activity_ns(record)) / 1e9
-            deadline = self.config.deadline_s(record)
-            if idle_s < deadline or await self._ended_in_log(record.request_id):
-                continue
-            num_acted += 1
-            await self.bus.publish(
-                CancelRequested(
-                    request_id=record.request_id, tenant=record.tenant, reason="timeout"
-                )
-            )
-            self.stats.num_cancels += 1
-            if idle_s >= deadline + self.config.grace_s:
-                await self._end(record, idle_s)
+            try:
+                num_acted += await self._sweep_one(record)
+            except Exception:  # noqa: BLE001 - one run's trouble must not stop the pass
+                log.exception("sweeping run %s failed; the next pass retries it", record.request_id)
         return num_acted
+
+    async def _sweep_one(self, record: RunRecord) -> int:
+        """Cancel, and past the grace end, one run idle past its deadline; 1 if it acted."""
+        idle_s = (self.clock() - await self._last_activity_ns(record)) / 1e9
+        deadline = self.config.deadline_s(record)
+        if idle_s < deadline or await self._ended_in_log(record.request_id):
+            return 0
+        await self.bus.publish(
+            CancelRequested(request_id=record.request_id, tenant=record.tenant, reason="timeout")
+        )
+        self.stats.num_cancels += 1
+        if idle_s >= deadline + self.config.grace_s:
+            await self._end(record, idle_s)
+        return 1
 
     async def _end(self, record: RunRecord, idle_s: float) -> None:
         log.warning(
@@ -154,7 +160,11 @@ class Sweeper(Service):
             msg = await self.bus.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
         except NotFoundError:
             return None
-        return decode_event(msg.data) if msg.data else None
+        try:
+            return decode_event(msg.data) if msg.data else None
+        except msgspec.DecodeError:  # a poison stored on the subject is no event of the run
+            log.warning("the last message on %s is not an event; ignored", subject)
+            return None
 
 
 async def _records(runs: KeyValue) -> list[RunRecord]:
@@ -171,7 +181,7 @@ async def _records(runs: KeyValue) -> list[RunRecord]:
                 break
             if entry.value:
                 try:
-                    records.append(_record.decode(entry.value))
+                    records.append(decode_bounded(_record, entry.value))
                 except msgspec.DecodeError:  # ValidationError too
                     log.warning("run record %s does not decode; skipped", entry.key)
     finally:

@@ -178,6 +178,17 @@ class Bus:
                 num_replicas=c.replicas,
             )
         )
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=subjects.DEAD_STREAM,
+                subjects=[subjects.ALL_DEAD],
+                retention=api.RetentionPolicy.LIMITS,
+                storage=api.StorageType.FILE,
+                max_age=c.events_max_age_s,
+                duplicate_window=c.duplicate_window_s,
+                num_replicas=c.replicas,
+            )
+        )
 
     async def _ensure_stream(self, config: api.StreamConfig) -> None:
         try:

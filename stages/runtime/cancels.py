@@ -12,6 +12,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from schemas import subjects
+from schemas.bounded import decode_bounded
 from schemas.events import CancelRequested, decoder_for
 from stages.runtime.bus import Bus
 
@@ -56,7 +57,7 @@ class CancelledRequests:
         async def seen(msg: Msg) -> None:
             request_id = msg.subject.split(".")[-2]
             try:
-                cancel: CancelRequested | None = _decoder.decode(msg.data)
+                cancel: CancelRequested | None = decode_bounded(_decoder, msg.data)
             except (msgspec.DecodeError, msgspec.ValidationError) as err:
                 log.warning(
                     "cancel for %s did not decode (%s); cancelling it anyway", request_id, err

@@ -3,7 +3,7 @@ input itself, over any length of time; the runtime (worker.py) keeps what it hol
 
 Contract. The runtime calls `capacity()` before every input it hands over and never calls
 `admit` while it is below 1; `admit(held, event)` takes ownership of one decoded input, which
-the service later settles exactly once (`complete`, `fail`, `ack`, `nak`, or `forget` when
+the service later settles exactly once (`complete`, `fail`, `ack`, `term`, `nak`, or `forget` when
 another delivery of the same message stands for it). `run(stopping, task_status=...)` is the
 service's own loop (a step thread, an HTTP server): it calls `task_status.started()` once it
 serves, and after `stopping` is set it finishes what it holds and returns. Past the spec's
@@ -103,6 +103,14 @@ class Held:
         if self._settle():
             try:
                 await self.msg.ack()
+            finally:
+                self._owner.release(self)
+
+    async def term(self) -> None:
+        """Never deliver it again (AckTerm): a poison message, recorded as a dead letter."""
+        if self._settle():
+            try:
+                await self.msg.term()
             finally:
                 self._owner.release(self)
 

@@ -3,9 +3,10 @@
 Handler contract (the spec itself is stages/runtime/spec.py). `handle` gets one decoded event
 and the state that `setup` returned (None without setup) and returns the events to publish; it does no I/O of its own where it can avoid it. To fail the
 request with a precise reason it raises `StageError(code, message, field=...)`; any other
-exception becomes a `failed` event with code `internal`. Either way the input is acked, so a
-poison message never loops. An undecodable input becomes a `failed` event when a request id can
-be read from it, else it is logged and acked.
+exception becomes a `failed` event with code `internal` (a stage whose errors are transient,
+`retry_errors`, retries until its last delivery). Either way the input is acked, so a poison
+message never loops. An undecodable input becomes a `failed` event when a request id can be
+read from it, else a dead letter (stages/runtime/deadletter.py), and is terminated.
 
 The runtime stamps `service_ns` (monotonic, decode to end of handle) on every output that has
 none, the bus stamps `ts_ns` (wall clock) at publish, and every output goes out with
@@ -33,6 +34,7 @@ back (nak) for another worker, close.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -46,11 +48,12 @@ import anyio.abc
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from schemas.bounded import decode_bounded
 from schemas.events import Event, RequestFailed, RunCancelled, encode
-from stages.runtime import heartbeat
+from stages.runtime import deadletter, heartbeat
 from stages.runtime.bus import Bus, BusConfig
 from stages.runtime.failures import StageError, error_field, new_request_id, read_envelope
 from stages.runtime.heartbeat import Heart
@@ -112,10 +115,7 @@ class StageWorker:
     def decode(self, msg: Msg) -> Any:
         """The typed input, or raises msgspec.DecodeError / ValidationError (JSON too deep too)."""
         assert self.spec.decoder is not None, "a stage with input has a decoder (__post_init__)"
-        event = decode_bounded(self.spec.decoder, msg.data)
-        if self.spec.with_headers is not None:
-            event = self.spec.with_headers(event, msg.headers or {})
-        return event
+        return decode_bounded(self.spec.decoder, msg.data)
 
     async def invalid_event(self, data: bytes, err: Exception) -> RequestFailed | None:
         if self.spec.on_invalid is not None:
@@ -136,14 +136,20 @@ class StageWorker:
 
     async def _decoded(self, held: Held) -> tuple[bool, Any]:
         """(True, event) for a live input; (False, None) when it was settled here: undecodable
-        (its `failed` event published, or logged and acked) or cancelled (skip_cancelled)."""
+        (its `failed` event published, or recorded as a dead letter and terminated) or
+        cancelled (skip_cancelled)."""
         try:
             event = self.decode(held.msg)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            failed = await self.invalid_event(held.msg.data, err)
+        except Exception as err:  # noqa: BLE001 - whatever does not decode is poison, not a crash
+            reason = f"undecodable {self._input_kind()}: {type(err).__name__}: {err}"
+            try:
+                failed = await self.invalid_event(held.msg.data, err)
+            except Exception as inner:  # noqa: BLE001 - on_invalid failing buries the message
+                self.log.exception("could not fail the request of an undecodable message")
+                reason += f" (and failing its request raised {type(inner).__name__}: {inner})"
+                failed = None
             if failed is None:
-                self.log.warning("dropped undecodable message on %s: %s", held.msg.subject, err)
-                await held.ack()
+                await self.bury(held, reason)
             else:
                 await held.complete([failed])
             return False, None
@@ -162,6 +168,16 @@ class StageWorker:
             stage=self.spec.name,
         )
 
+    def _input_kind(self) -> str:
+        return self.spec.input_event if isinstance(self.spec.input_event, str) else "input"
+
+    async def bury(self, held: Held, reason: str) -> None:
+        """Record `held` in the dead-letter stream, then terminate it (never redelivered)."""
+        request_id, _ = read_envelope(held.msg.data or b"")
+        letter = deadletter.letter_for(self.spec.name, held.msg, reason, request_id)
+        await deadletter.record(self.bus.js, letter)
+        await held.term()
+
     async def handle_message(self, held: Held) -> None:
         """The handler path: decode -> (skip if cancelled) -> handle -> complete."""
         live, event = await self._decoded(held)
@@ -174,11 +190,16 @@ class StageWorker:
             outputs = [self._failed(event, err.code, err.message, err.field, err.retry_after_s)]
         except Exception as err:  # noqa: BLE001 - a failing handler fails its request, not us
             self.log.exception("handler failed for %s", getattr(event, "request_id", None))
-            if self.spec.retry_errors:
+            if self._retry(held):
                 await held.nak(delay=_retry_delay(held))
                 return
             outputs = [self._failed(event, "internal", f"{type(err).__name__}: {err}", None, None)]
         await held.complete(outputs)
+
+    def _retry(self, held: Held) -> bool:
+        """Whether a handler's error is retried: only where the spec says its errors are
+        transient, and not on the last delivery (then the request fails, once)."""
+        return self.spec.retry_errors and held.num_delivered < self.spec.max_deliver
 
     async def admit(self, held: Held) -> None:
         """The service path: decode -> (skip if cancelled) -> service.admit, which now owns it."""
@@ -192,7 +213,7 @@ class StageWorker:
             await held.fail(event, err)
         except Exception as err:  # noqa: BLE001 - a failing admission fails its request
             self.log.exception("could not admit %s", getattr(event, "request_id", None))
-            if self.spec.retry_errors:
+            if self._retry(held):
                 await held.nak(delay=_retry_delay(held))
                 return
             await held.fail(event, StageError("internal", f"{type(err).__name__}: {err}"))
@@ -263,7 +284,7 @@ class StageWorker:
             raw = await self.bus.js.get_msg(self.spec.stream, seq)
             request_id, tenant = read_envelope(raw.data or b"")
             if request_id is None:
-                self.log.error("gave up on stream seq %d (no request id in it)", seq)
+                await self._bury_stored(raw, seq)
                 return
             await self.bus.publish(
                 RequestFailed(
@@ -276,7 +297,28 @@ class StageWorker:
                 )
             )
         except Exception:  # noqa: BLE001 - a lost advisory only leaves the request unfinished
-            self.log.exception("could not fail the request of a dead-lettered message")
+            self.log.exception("could not fail the request of a message out of deliveries")
+
+    async def _bury_stored(self, raw: Any, seq: int) -> None:
+        """A message out of deliveries that names no request: a dead letter; off the submit
+        queue too (a work queue would keep it until its max age)."""
+        data = raw.data or b""
+        letter = deadletter.DeadLetter(
+            consumer=self.spec.name,
+            reason=f"{self.spec.name} gave up after {self.spec.max_deliver} deliveries without "
+            "finishing (its workers crashed or hung), and it names no request",
+            subject=raw.subject,
+            stream=self.spec.stream,
+            stream_seq=seq,
+            num_delivered=self.spec.max_deliver,
+            size=len(data),
+            data=data[: deadletter.MAX_KEPT_BYTES].decode("utf-8", errors="replace"),
+            ts_ns=time.time_ns(),
+        )
+        await deadletter.record(self.bus.js, letter)
+        if self.spec.stream == subjects.SUBMIT_STREAM:
+            with contextlib.suppress(NotFoundError):
+                await self.bus.js.delete_msg(self.spec.stream, seq)
 
     # ---- holding inputs ----
 

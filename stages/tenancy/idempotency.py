@@ -23,6 +23,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from schemas import subjects
+from schemas.bounded import decode_bounded
 from schemas.events import Event, Request, RequestAccepted, RequestAuthorized
 
 
@@ -52,6 +53,7 @@ class Claim(msgspec.Struct, frozen=True, kw_only=True):
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(IdempotencyRecord)
+_accepted = msgspec.json.Decoder(RequestAccepted)
 
 
 def request_hash(request: Request) -> str:
@@ -166,7 +168,10 @@ async def billing_id(js: JetStreamContext, store: IdempotencyStore, event: Event
         msg = await js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
     except NotFoundError:
         return event.request_id
-    accepted = msgspec.json.decode(msg.data, type=RequestAccepted) if msg.data else None
+    try:
+        accepted = decode_bounded(_accepted, msg.data) if msg.data else None
+    except msgspec.DecodeError:  # a poison stored on the subject: bill under the request id
+        return event.request_id
     key = accepted.request.idempotency_key if accepted is not None else None
     if key is None:
         return event.request_id

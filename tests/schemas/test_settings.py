@@ -8,7 +8,7 @@ from tools import config
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"\bBRIGADE_[A-Z0-9_]+")
-NOT_VARIABLES = {subjects.EVENTS_STREAM, subjects.SUBMIT_STREAM}  # stream names
+NOT_VARIABLES = {subjects.EVENTS_STREAM, subjects.SUBMIT_STREAM, subjects.DEAD_STREAM}  # streams
 
 
 def test_the_readme_table_is_the_generated_one():
@@ -100,6 +100,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_STREAM_REPLICAS": 1,
         "BRIGADE_ACK_WAIT_S": None,
         "BRIGADE_MAX_DELIVER": None,
+        "BRIGADE_SHUTDOWN_TIMEOUT_S": 10.0,
         "BRIGADE_MAX_SUBMIT_CHARS": 2_000_000,
         "BRIGADE_MODEL": "smollm2-135m",
         "BRIGADE_SUMMARY_TIMEOUT_S": 60.0,
