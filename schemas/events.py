@@ -28,6 +28,11 @@ MAX_DOCUMENTS = 64
 VOCAB_CEILING = 1 << 20
 TokenId = Annotated[int, Meta(ge=0, lt=VOCAB_CEILING)]
 TopK = Annotated[int, Meta(ge=1, le=VOCAB_CEILING)]
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+# token id -> a bias added to its logit (JSON keys are the ids as text, as OpenAI sends them)
+LogitBias = Annotated[
+    dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=MAX_LOGIT_BIAS)
+]
 
 
 class Message(Struct, frozen=True, forbid_unknown_fields=True):
@@ -87,6 +92,7 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     ignore_eos: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    logit_bias: LogitBias | None = None
     # structured output, at most one (the gateway checks): OpenAI's response_format, or vLLM's
     # guided_json (a schema, as an object or its JSON text), guided_regex, guided_choice (the
     # output is one of the strings), guided_grammar (Lark or GBNF)
@@ -145,6 +151,7 @@ class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     ignore_eos: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    logit_bias: LogitBias | None = None
     # structured output, at most one (the gateway checks): OpenAI's response_format, or vLLM's
     # guided_json (a schema, as an object or its JSON text), guided_regex, guided_choice (the
     # output is one of the strings), guided_grammar (Lark or GBNF)
