@@ -34,6 +34,7 @@ BENCH = [
     "tools.bench.hops",
     "tools.bench.quality",
     "tools.bench.peer",
+    "tools.bench.serve",
 ]
 
 

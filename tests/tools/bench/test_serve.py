@@ -1,0 +1,116 @@
+"""The serve benchmark's parts: CPU accounting from /proc, the engine-alone closed loop (on a tiny
+real engine), the targets' arithmetic and the table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineConfig
+from tests.engine.tiny_llama import write_tiny_llama
+from tools.bench import serve
+from tools.bench.loadgen import Sample
+
+
+def busy(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_cpu_seconds_counts_this_process_work():
+    before = serve.cpu_seconds(os.getpid())
+    busy(0.2)
+    after = serve.cpu_seconds(os.getpid())
+    assert before is not None and after is not None
+    assert 0.15 <= after - before <= 1.0
+    assert serve.cpu_seconds(2**22 + 12345) is None  # no such pid
+
+
+def test_descendants_and_names_find_a_stage_child():
+    code = "import time; time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code, "stage", "detokenize"])
+    try:
+        deadline = time.monotonic() + 5
+        while child.pid not in serve.descendants(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.pid in serve.descendants(os.getpid())
+        assert serve.process_name(child.pid) == "detokenize"
+        meter = serve.CpuMeter([os.getpid()], os.getpid())
+        meter.start()
+        busy(0.1)
+        used = meter.stop()
+        assert used["client (this process)"] >= 0.05
+        assert used["detokenize"] < 0.05  # the sleeping child used next to nothing
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Engine:
+    model = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+    return Engine(EngineConfig(model=str(model), dtype="float32", block_size=4, num_kv_blocks=256))
+
+
+def test_engine_alone_keeps_the_closed_loop_and_times_every_token(tiny):
+    items = serve.work_items(6, 5)
+    samples, wall = serve.engine_alone(tiny, items, 2)
+    assert [s.index for s in samples] == list(range(6))
+    assert all(s.ok and s.num_tokens == 5 and len(s.gaps_ms) == 4 for s in samples)
+    assert all(s.ttft_ms is not None and 0 < s.ttft_ms < 1e3 * wall for s in samples)
+    assert not tiny.has_unfinished_requests()
+    res = serve.summary(samples, wall, {"client (this process)": 0.3})
+    assert res["tokens"] == 30 and res["completed"] == 6
+    assert res["aggregate_tps"] == pytest.approx(30 / wall)
+    assert res["cpu_ms_per_token"]["client (this process)"] == pytest.approx(10.0)
+
+
+def test_work_items_are_distinct_prompts():
+    items = serve.work_items(16, 7)
+    assert len({i.prompt for i in items}) == 16 and {i.max_tokens for i in items} == {7}
+
+
+def side(tps: float, ttft_p95: float, itl_p50: float, itl_p95: float) -> dict:
+    s = Sample(index=0, ok=True, num_tokens=100, ttft_ms=ttft_p95, tps=50.0)
+    s.gaps_ms = [itl_p50] * 19 + [itl_p95]
+    res = serve.summary([s], 100 / tps, None)
+    res["ttft_ms"]["p95"] = ttft_p95
+    res["itl_ms"]["p50"], res["itl_ms"]["p95"] = itl_p50, itl_p95
+    return res
+
+
+def test_targets_compare_sides_at_each_level():
+    results = {
+        "engine": {8: side(400, 100, 10, 12)},
+        "pipeline": {8: side(380, 150, 11, 14), 32: side(500, 200, 30, 40)},
+        "llama-server": {8: side(180, 400, 20, 30)},
+    }
+    t = serve.targets(results, [8, 32])
+    assert t["8"]["of_engine"] == pytest.approx(0.95) and t["8"]["of_engine_ok"]
+    assert t["8"]["of_llama_server"] == pytest.approx(380 / 180) and t["8"]["of_llama_server_ok"]
+    assert t["8"]["ttft_p95_below_llama_server"] is True
+    assert t["8"]["itl_p95_of_step"] == pytest.approx(1.4) and t["8"]["itl_ok"]
+    assert t["32"] == {}  # nothing measured to compare with at 32
+    table = serve.markdown(
+        {
+            "model": "m",
+            "max_tokens": 100,
+            "requests_per_client": 1,
+            "machine": "x",
+            "sides": results,
+            "targets": t,
+            "notes": ["llama-server not measured: none"],
+        }
+    )
+    assert "| pipeline | 8 | 380.0 |" in table and "| 8 | 0.95 | 2.11 | yes | 1.40 |" in table
+    assert table.endswith("llama-server not measured: none")
+
+
+def test_no_llama_server_says_why(tmp_path: Path):
+    assert "no llama.cpp build under" in serve.llama_server_binary(tmp_path)
