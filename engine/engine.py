@@ -185,6 +185,13 @@ class Engine:
                 f"prompt_token_ids hold ids outside [0, {vocab}): {bad[:5]}",
                 field="prompt_token_ids",
             )
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise RequestRejected(
+                "invalid_request",
+                f"logit_bias names ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                field="logit_bias",
+            )
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise RequestRejected(

@@ -14,6 +14,7 @@ from typing import Literal
 from engine.errors import RequestRejected
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: +100 all but forces a token, -100 all but bans it
 
 ConstraintKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 CONSTRAINT_KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
@@ -103,6 +104,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (the sampled one first)
+    # (token id, bias) pairs, ids ascending: the bias is added to the token's logit after the
+    # penalties (a dict is taken and sorted); the engine checks the ids against its vocabulary
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # structured output: only tokens that keep the output a prefix of a match are sampled, and
     # the request ends when the match is complete (engine/grammar.py)
     constraint: Constraint | None = None
@@ -110,6 +114,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
 
         def real(x: object) -> bool:
             return isinstance(x, int | float) and not isinstance(x, bool) and x == x
@@ -166,6 +172,22 @@ class SamplingParams:
             "logprobs",
             self.logprobs,
             f"None or an integer in [0, {MAX_LOGPROBS}]",
+        )
+        _check(
+            isinstance(self.logit_bias, tuple)
+            and all(
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and integer(pair[0])
+                and pair[0] >= 0
+                and real(pair[1])
+                and -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS
+                for pair in self.logit_bias
+            )
+            and len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
+            "logit_bias",
+            self.logit_bias[:5] if isinstance(self.logit_bias, tuple) else self.logit_bias,
+            f"a dict of token id >= 0 -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
         )
         _check(
             self.constraint is None or isinstance(self.constraint, Constraint),

@@ -1,6 +1,6 @@
 """Sampling as plain functions over a batch of logits, each row with its own parameters.
 
-Order: penalties -> min_tokens mask -> grammar mask (constrained rows only) -> (greedy rows:
+Order: penalties -> logit bias -> min_tokens mask -> grammar mask (constrained rows only) -> (greedy rows:
 argmax) -> temperature -> top-k -> top-p -> min-p -> one draw per row from the row's own seeded
 generator. Filters whose parameters are neutral for the whole batch are skipped, so plain greedy
 or plain temperature costs one pass.
@@ -57,6 +57,18 @@ def apply_penalties(
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
     return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: Tensor, requests: list[SamplingRequest]) -> Tensor:
+    """A new [n, vocab] tensor: each row's biased tokens with their bias added (the others,
+    and the rows without a bias, as they were)."""
+    rows = [i for i, r in enumerate(requests) for _ in r.params.logit_bias]
+    cols = [t for r in requests for t, _ in r.params.logit_bias]
+    biases = [b for r in requests for _, b in r.params.logit_bias]
+    dev = logits.device
+    index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=dev),
+                            accumulate=True)  # fmt: skip
 
 
 def disallowed_tokens(bitmask: Tensor, vocab_size: int) -> Tensor:
@@ -210,8 +222,8 @@ def sample(
     """Sample one token per row of `logits` [n, vocab] (float32) with each row's own params.
 
     Returns the token ids and, when any request asked for them, per-row logprobs computed
-    from the model's raw distribution (before penalties, grammar masks, temperature and
-    filters). The constrained rows of `logits` may be overwritten (masked) when no logprobs
+    from the model's raw distribution (before penalties, logit bias, grammar masks,
+    temperature and filters). The constrained rows of `logits` may be overwritten (masked) when no logprobs
     are asked for: the caller must not read them afterwards.
     """
     raw = logits
@@ -222,6 +234,8 @@ def sample(
         for p in params
     ):
         logits = apply_penalties(logits, requests)
+    if any(p.logit_bias for p in params):
+        logits = apply_logit_bias(logits, requests)
     if any(r.stop_ids_while_short for r in requests):
         logits = logits.clone()
         for i, r in enumerate(requests):

@@ -45,7 +45,7 @@ def propose_drafts(
 ) -> dict[str, list[int]]:
     """N-gram drafts for the running decodes, in scheduling order, while the step's decode rows
     stay within `max_rows`. Only requests whose next tokens depend on their own position's
-    logits alone get one (no penalties, past min_tokens, no grammar, whose mask would be needed
+    logits alone get one (no penalties or logit bias, past min_tokens, no grammar, whose mask would be needed
     at every row): the verifications below see one row per position and nothing else. A draft
     never reaches past max_tokens or max_model_len."""
     if num_speculative_tokens == 0:
@@ -59,6 +59,7 @@ def propose_drafts(
             or p.repetition_penalty != 1.0
             or p.presence_penalty
             or p.frequency_penalty
+            or p.logit_bias
             or seq.num_output_tokens < p.min_tokens
             or seq.grammar is not None
         ):

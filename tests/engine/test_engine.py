@@ -282,6 +282,20 @@ def test_min_tokens_masks_stop_ids_until_reached(tiny_dir):
     assert (reason == "stop") == (stop in got) and (got[-1] == stop or len(got) == 6)
 
 
+def test_logit_bias_forces_and_bans_tokens_and_is_checked_against_the_vocabulary(tiny_dir):
+    engine = tiny_engine(tiny_dir)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    free, _ = run_all(engine, [[5, 6, 7]], greedy, ["free"])
+    forced, _ = run_all(engine, [[5, 6, 7]], dataclasses.replace(greedy, logit_bias={42: 100}),
+                        ["forced"])  # fmt: skip
+    assert forced[0] == [42] * 5 != free[0]
+    ban = {t: -100 for t in free[0]}
+    banned, _ = run_all(engine, [[5, 6, 7]], dataclasses.replace(greedy, logit_bias=ban), ["b"])
+    assert not set(banned[0]) & set(free[0])
+    with pytest.raises(ValueError, match=r"logit_bias names ids outside the vocabulary"):
+        engine.add_request("x", [5], SamplingParams(logit_bias={259: 1.0}))
+
+
 def test_engine_config_is_validated():
     with pytest.raises(ValueError, match=r"EngineConfig.dtype='fp8'; allowed: \['bfloat16'"):
         EngineConfig(dtype="fp8")

@@ -46,3 +46,12 @@ def test_stop_token_ids_list_becomes_tuple_and_params_are_frozen():
     assert p.stop_token_ids == (5, 7)
     with pytest.raises(AttributeError):
         p.temperature = 0.5  # type: ignore[misc]
+
+
+def test_logit_bias_is_sorted_pairs_of_id_and_bounded_bias():
+    assert SamplingParams(logit_bias={9: -100, 2: 0.5}).logit_bias == ((2, 0.5), (9, -100))
+    allowed = "a dict of token id >= 0 -> bias in [-100, 100]"
+    for bad in ({1: 100.5}, {1: -101}, {-1: 1.0}, {1: float("nan")}, {1.5: 1.0}, {1: "x"}, 5):
+        with pytest.raises(ValueError, match=r"SamplingParams\.logit_bias=") as info:
+            SamplingParams(logit_bias=bad)
+        assert allowed in str(info.value)
