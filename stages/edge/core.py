@@ -11,6 +11,7 @@ assembles them.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections import Counter
@@ -25,17 +26,24 @@ from starlette.requests import HTTPConnection
 
 from engine.tokenizer import Tokenizer
 from schemas import settings, subjects
-from schemas.events import AnyEvent, CancelRequested, Submit, TextGenerated, decode_event
+from schemas.events import (
+    AnyEvent,
+    CancelRequested,
+    Submit,
+    TextGenerated,
+    decode_event,
+    encode,
+)
 from stages import gateway
 from stages.edge.admission import AdmissionConfig, AdmissionGate
-from stages.edge.errors import RequestError
+from stages.edge.errors import BUS_RETRY_AFTER_S, RequestError
 from stages.edge.keys import Caller, KeyRing
 from stages.edge.logprobs import TokenEvents
 from stages.edge.metrics import EdgeMetrics
 from stages.edge.runwatch import RunWatch
 from stages.eventlog.runstate import RunStates
-from stages.runtime.bus import Bus, publish_submit
-from stages.runtime.failures import StageError
+from stages.runtime.bus import MSG_ID_HEADER, Bus, publish_submit
+from stages.runtime.failures import StageError, bus_unavailable
 from stages.tenancy.idempotency import Claim, IdempotencyConflict, IdempotencyStore, request_hash
 from stages.tenancy.ratelimit import estimate_prompt_tokens
 from stages.tokenize import tokenizer_for
@@ -234,9 +242,33 @@ class Edge:
         self.gate.admit(request_id, reserved_tokens(submit), caller.priority)
         try:
             return await self._submit(caller, submit, request_hash(request), request_id, tokens)
-        except BaseException:
+        except BaseException as err:
             self.gate.release(request_id)
+            if isinstance(err, Exception) and bus_unavailable(err):
+                await self._withdraw(caller, request_id)
             raise
+
+    def _bus_up(self) -> None:
+        """Refuse (503) before submitting while NATS is away: a submit published into the
+        reconnecting client's buffer would run once the bus is back, after its client was told
+        it failed."""
+        if not self.bus.nc.is_connected:
+            raise RequestError(
+                "unavailable",
+                "the message bus is reconnecting; nothing was submitted, retry shortly",
+                retry_after_s=BUS_RETRY_AFTER_S,
+            )
+
+    async def _withdraw(self, caller: Caller, request_id: str) -> None:
+        """The submit's ack never came (the client gets a 503), yet the bus may store it once it
+        is back: its cancel goes into the client's buffer right behind it, so the run ends at its
+        first stage instead of running for nobody. Core publish: it waits for no ack."""
+        event = CancelRequested(request_id=request_id, tenant=caller.tenant, reason="timeout",
+                                ts_ns=time.time_ns())  # fmt: skip
+        headers = {MSG_ID_HEADER: subjects.msg_id(request_id, "cancel")}
+        with contextlib.suppress(Exception):  # a closed connection: nothing more can reach it
+            await self.bus.nc.publish(subjects.event_subject(request_id, "cancel"),
+                                      encode(event), headers=headers)  # fmt: skip
 
     async def _submit(
         self,
@@ -274,6 +306,7 @@ class Edge:
         watch = self._watch(request_id, starting_after=None, tokens=tokens)
         watch.idempotency_key = submit.idempotency_key
         await watch.start()
+        self._bus_up()
         await self.bus.nc.flush()
         await publish_submit(self.bus.js, submit, api_key=caller.api_key)  # the key in a header
         return watch

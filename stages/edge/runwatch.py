@@ -3,7 +3,8 @@
 Live: a plain subscription on `llm.ev.<id>.>` made before the submit. Resume: an ordered
 consumer over the log from the start (then live), skipping seqs <= `starting_after` (-1: all). Gaps (a
 slow-consumer drop, a worker racing the terminal event) are filled from the log; every ordered
-consumer is unsubscribed when done, so nothing is left behind per request.
+consumer is unsubscribed when done, so nothing is left behind per request. While the bus is away
+(an election, a server restart) it keeps waiting, within its idle timeout, and asks again.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from schemas.events import (
     decode_event,
 )
 from stages.edge.reorder import ReorderBuffer
+from stages.runtime.failures import bus_unavailable
 
 Terminal = RunCompleted | RunCancelled | RequestFailed
 TERMINAL_TAGS = ("completed", "cancelled", "failed")
@@ -120,7 +122,7 @@ class RunWatch:
                     deadline, next_fill = now + self.gap_timeout_s, now + 0.2
                 if now >= next_fill:
                     next_fill = now + 0.5
-                    for delta in await self._fill_from_log():
+                    for delta in await self._fill_from_log_if_up():
                         yield delta
                     if self._done():
                         break
@@ -150,11 +152,24 @@ class RunWatch:
             subject = subjects.event_subject(self.request_id, tag)
             try:
                 msg = await self.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
-            except (NotFoundError, nats.errors.NoRespondersError, nats.errors.TimeoutError):
-                continue  # not stored (or no log to ask): keep waiting live
+            except NotFoundError:
+                continue  # not stored: keep waiting live
+            except Exception as err:  # noqa: BLE001 - the bus away: wait live, ask again later
+                if not bus_unavailable(err):
+                    raise
+                return
             if msg.data:
                 self._accept(msg.data)
                 return
+
+    async def _fill_from_log_if_up(self) -> list[TextGenerated]:
+        """The stored text deltas, or none while the bus is away (the gap deadline bounds it)."""
+        try:
+            return await self._fill_from_log()
+        except Exception as err:  # noqa: BLE001 - an election or a restart: try again later
+            if not bus_unavailable(err):
+                raise
+            return []
 
     async def _fill_from_log(self) -> list[TextGenerated]:
         """Read this run's stored text deltas (an ordered consumer, then unsubscribed)."""

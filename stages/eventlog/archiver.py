@@ -24,6 +24,7 @@ from schemas import subjects
 from schemas.logrows import default_archive_dir, row_from_message
 from stages.eventlog.parquet import ParquetLog
 from stages.runtime.bus import Bus
+from stages.runtime.failures import Backoff, bus_unavailable
 from stages.runtime.service import Service
 from stages.runtime.spec import StageContext, StageSpec
 
@@ -116,6 +117,20 @@ class Archiver(Service):
             )
         self._sub = await js.pull_subscribe_bind(durable=DURABLE, stream=subjects.EVENTS_STREAM)
 
+    async def _step(self, timeout: float) -> None:
+        """One fetch, then a flush when a file is due. A fetch that finds nothing is not an
+        error; one the bus refuses raises, and the caller waits and retries: what was fetched
+        and not flushed stays buffered, what was flushed and not acked is skipped when the
+        server redelivers it (its seq is on disk)."""
+        try:
+            msgs = await self._sub.fetch(self.config.fetch_batch, timeout=timeout)
+        except TimeoutError:  # nats.errors.TimeoutError too: nothing new
+            msgs = []
+        for msg in msgs:
+            self.accept(msg)
+        if self.due() or (not self._rows and self._to_ack is not None):
+            await self.flush()
+
     def accept(self, msg: Msg) -> None:
         """Buffer one delivered message (or skip it when its sequence is already on disk)."""
         seq = msg.metadata.sequence.stream
@@ -171,16 +186,25 @@ class Archiver(Service):
         await self.start()
         task_status.started()
         timeout = min(self.config.max_age_s, 1.0)
+        backoff = Backoff()
         while not stopping.is_set():
             try:
-                msgs = await self._sub.fetch(self.config.fetch_batch, timeout=timeout)
-            except TimeoutError:
-                msgs = []
-            for msg in msgs:
-                self.accept(msg)
-            if self.due() or (not self._rows and self._to_ack is not None):
-                await self.flush()
-        await self.flush(confirm=True)
+                await self._step(timeout)
+                backoff.reset()
+            except Exception as err:  # noqa: BLE001 - the bus away (an election, a restart)
+                if not bus_unavailable(err):
+                    raise
+                delay = backoff.delay()
+                log.warning("archiver: the bus is unavailable (%s: %s); retrying in %.1f s",
+                            type(err).__name__, err, delay)  # fmt: skip
+                with anyio.move_on_after(delay):
+                    await stopping.wait()
+        try:
+            await self.flush(confirm=True)
+        except Exception as err:  # noqa: BLE001 - written and checkpointed: a restart skips them
+            if not bus_unavailable(err):
+                raise
+            log.warning("archiver: the last ack was not confirmed (%s)", err)
         await self._sub.unsubscribe()  # a pending pull would hold the connection's drain
         await self.bus.nc.flush()
         self.log.close()

@@ -1,5 +1,6 @@
-"""How a stage names what went wrong: StageError for handlers, and readers of msgspec errors and
-of a request id in input that did not decode (so even bad input fails its own request).
+"""How a stage names what went wrong: StageError for handlers, readers of msgspec errors and of
+a request id in input that did not decode (so even bad input fails its own request), and which
+NATS errors mean the bus is away for a while (an election, a restart) rather than a mistake.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import uuid
 from typing import Any
 
 import msgspec
+import nats.errors
+import nats.js.errors
 
 from schemas import subjects
 from schemas.bounded import without_deep_values
@@ -70,3 +73,30 @@ def read_envelope(data: bytes) -> tuple[str | None, str | None]:
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+# JetStream answers that mean the request is wrong, not that the bus is away.
+_NOT_TRANSIENT = (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError)
+
+
+def bus_unavailable(exc: BaseException) -> bool:
+    """Whether `exc` says the bus is away for now: no responders, a timeout, a closed or
+    reconnecting connection, JetStream unavailable during an election. Retry it after a pause."""
+    if isinstance(exc, _NOT_TRANSIENT):
+        return False
+    return isinstance(exc, nats.errors.Error | nats.js.errors.Error | TimeoutError)
+
+
+class Backoff:
+    """Bounded exponential waits for retrying the bus: 0.1 s doubling to `max_s`."""
+
+    def __init__(self, initial_s: float = 0.1, max_s: float = 5.0) -> None:
+        self.initial_s, self.max_s = initial_s, max_s
+        self.next_s = initial_s
+
+    def delay(self) -> float:
+        delay, self.next_s = self.next_s, min(self.next_s * 2, self.max_s)
+        return delay
+
+    def reset(self) -> None:
+        self.next_s = self.initial_s
