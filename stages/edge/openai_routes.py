@@ -137,7 +137,9 @@ class OpenAIRoutes:
                     await watch.close()
         rid = watch.request_id
         if timeout is not None:
-            return error_response(timeout, rid)
+            response = error_response(timeout, rid)
+            response.headers[RUN_STATE_HEADER] = "cancelled"  # it will not run or bill further
+            return response
         term = watch.terminal
         if term is None:
             return Response(status_code=499)  # the client left; nobody reads this
@@ -154,6 +156,29 @@ class OpenAIRoutes:
         headers = {"X-Request-Id": rid, RUN_STATE_HEADER: _state(term)}
         return JSONResponse(body, headers=headers)
 
+    async def _first_token_timed_out(
+        self, caller: Caller, watch: RunWatch, err: TimeoutError
+    ) -> Response:
+        """No event within the edge's idle timeout before the stream's first token. The 504
+        says what happens next: a run with an idempotency key is resumable (it keeps running
+        for the reconnect grace; a retry with the key or GET /v1/runs/{id}/stream re-attaches,
+        else it is cancelled then), any other run is cancelled now, so it never runs or bills
+        after its client was told it timed out."""
+        rid = watch.request_id
+        grace = self.edge.config.reconnect_grace_s
+        resumable = watch.idempotency_key is not None and grace > 0
+        with anyio.CancelScope(shield=True):
+            await self.edge.left(caller, watch, "timeout")  # now, or after the grace if keyed
+            await watch.close()
+        if resumable:
+            message = (f"{err}; the run is still running: resume it with GET /v1/runs/{rid}"
+                       f"/stream or retry with the same idempotency key within {grace:g} s")  # fmt: skip
+        else:
+            message = f"{err}; the run was cancelled and will not run or be billed further"
+        response = error_response(RequestError("timeout", message), rid)
+        response.headers[RUN_STATE_HEADER] = "running" if resumable else "cancelled"
+        return response
+
     async def _stream(self, caller: Caller, run: _Run, include_usage: bool) -> Response:
         watch = run.watch
         deltas = self.edge.deltas(watch)
@@ -161,8 +186,7 @@ class OpenAIRoutes:
         try:
             first = await anext(deltas, None)
         except TimeoutError as err:
-            await watch.close()
-            return error_response(RequestError("timeout", str(err)), rid)
+            return await self._first_token_timed_out(caller, watch, err)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await watch.close()

@@ -52,7 +52,7 @@ from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from schemas.bounded import decode_bounded
-from schemas.events import Event, RequestFailed, RunCancelled, encode
+from schemas.events import CancelRequested, Event, RequestFailed, RunCancelled, encode
 from stages.runtime import deadletter, heartbeat
 from stages.runtime.bus import Bus, BusConfig
 from stages.runtime.failures import StageError, error_field, new_request_id, read_envelope
@@ -62,6 +62,7 @@ from stages.runtime.service import Held, InputService, Service
 from stages.runtime.spec import StageContext, StageSpec, with_env_overrides
 
 log = logging.getLogger("brigade.runtime")
+_cancel_decoder = msgspec.json.Decoder(CancelRequested)
 
 
 class StageWorker:
@@ -115,10 +116,7 @@ class StageWorker:
     def decode(self, msg: Msg) -> Any:
         """The typed input, or raises msgspec.DecodeError / ValidationError (JSON too deep too)."""
         assert self.spec.decoder is not None, "a stage with input has a decoder (__post_init__)"
-        event = decode_bounded(self.spec.decoder, msg.data)
-        if self.spec.with_headers is not None:
-            event = self.spec.with_headers(event, msg.headers or {})
-        return event
+        return decode_bounded(self.spec.decoder, msg.data)
 
     async def invalid_event(self, data: bytes, err: Exception) -> RequestFailed | None:
         if self.spec.on_invalid is not None:
@@ -157,10 +155,29 @@ class StageWorker:
                 await held.complete([failed])
             return False, None
         request_id = getattr(event, "request_id", None)
-        if self.spec.skip_cancelled and request_id in self.ctx.cancels:
-            await held.complete([self._cancelled(event, request_id)])
-            return False, None
+        if self.spec.skip_cancelled and request_id is not None:
+            if request_id not in self.ctx.cancels and self.spec.stream == subjects.SUBMIT_STREAM:
+                await self._cancel_stored(request_id)
+            if request_id in self.ctx.cancels:
+                await held.complete([self._cancelled(event, request_id)])
+                return False, None
         return True, event
+
+    async def _cancel_stored(self, request_id: str) -> None:
+        """A submit's cancel may predate this worker (its client was told the submit failed
+        while the bus was away, and this worker started since): read it from the log, so a run
+        its client gave up on never starts."""
+        subject = subjects.event_subject(request_id, "cancel")
+        try:
+            msg = await self.bus.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+        except Exception:  # noqa: BLE001 - none stored (NotFound), or the bus away: not cancelled
+            return
+        cancel = None
+        try:
+            cancel = decode_bounded(_cancel_decoder, msg.data or b"")
+        except msgspec.DecodeError:  # a poison on the subject still names the request
+            pass
+        self.ctx.cancels.add(request_id, cancel)
 
     def _cancelled(self, event: Any, request_id: str) -> RunCancelled:
         """The terminal event of a run cancelled before this stage did its work."""
