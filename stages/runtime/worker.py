@@ -116,7 +116,10 @@ class StageWorker:
     def decode(self, msg: Msg) -> Any:
         """The typed input, or raises msgspec.DecodeError / ValidationError (JSON too deep too)."""
         assert self.spec.decoder is not None, "a stage with input has a decoder (__post_init__)"
-        return decode_bounded(self.spec.decoder, msg.data)
+        event = decode_bounded(self.spec.decoder, msg.data)
+        if self.spec.with_headers is not None:
+            event = self.spec.with_headers(event, msg.headers or {})
+        return event
 
     async def invalid_event(self, data: bytes, err: Exception) -> RequestFailed | None:
         if self.spec.on_invalid is not None:
