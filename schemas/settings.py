@@ -180,6 +180,15 @@ NATS_URL = declare(Setting[tuple[str, ...]](
     help="NATS server URLs, comma-separated for a cluster",
     readers=BUS_USERS,
 ))  # fmt: skip
+NATS_USER = declare(Setting[str | None](
+    name="BRIGADE_NATS_USER", kind="str", default=None, default_text="none (no authentication)",
+    help="NATS user this service connects as (deploy/nats/brigade.conf: one per stage, admin)",
+    readers=BUS_USERS,
+))  # fmt: skip
+NATS_PASSWORD = declare(Setting[str | None](
+    name="BRIGADE_NATS_PASSWORD", kind="str", default=None, default_text="none",
+    help="password of BRIGADE_NATS_USER", readers=BUS_USERS, secret=True,
+))  # fmt: skip
 DATA_DIR = declare(Setting[Path](
     name="BRIGADE_DATA_DIR", kind="path", default=Path(".brigade"),
     help="`brigade up`'s NATS data and state file; tenants, ledger and archive by default",

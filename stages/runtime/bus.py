@@ -10,7 +10,7 @@ import asyncio
 import datetime
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import nats
@@ -44,6 +44,8 @@ class BusConfig:
     idempotency_ttl_s: float = 24 * 3600.0
     rates_ttl_s: float = 3600.0
     connect_timeout_s: float = 5.0
+    user: str | None = None  # NATS authentication (deploy/nats/brigade.conf's users)
+    password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -71,9 +73,11 @@ class BusConfig:
                     f"{natsd.STATE_FILE})"
                 )
             servers = (running.url,)
-        kwargs: dict[str, float | int] = {
+        kwargs: dict[str, float | int | str | None] = {
             "events_max_age_s": settings.EVENTS_MAX_AGE_S.get(),
             "replicas": settings.STREAM_REPLICAS.get(),
+            "user": settings.NATS_USER.get(),
+            "password": settings.NATS_PASSWORD.get(),
         }
         kwargs.update(overrides)
         return cls(servers=servers, **kwargs)  # type: ignore[arg-type]
@@ -121,6 +125,8 @@ class Bus:
             servers=list(config.servers),
             name=name,
             connect_timeout=config.connect_timeout_s,
+            user=config.user,
+            password=config.password,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             allow_reconnect=True,

@@ -91,6 +91,8 @@ def test_values_parse_to_their_types():
 def test_the_defaults_are_what_the_readers_used_before():
     before = {
         "NATS_URL": (),
+        "BRIGADE_NATS_USER": None,
+        "BRIGADE_NATS_PASSWORD": None,
         "BRIGADE_DATA_DIR": Path(".brigade"),
         "BRIGADE_ARCHIVE_DIR": None,
         "BRIGADE_TENANTS": None,

@@ -54,7 +54,7 @@ def test_stages_scale_and_only_the_edge_publishes_a_port(compose):
 
 
 def test_nats_has_jetstream_and_a_three_node_cluster_profile(compose):
-    conf = compose["configs"]["nats-conf"]["content"]
+    conf = (ROOT / compose["configs"]["nats-conf"]["file"]).read_text()
     assert re.search(r"jetstream\s*\{", conf) and "max_payload: 16MB" in conf
     services = compose["services"]
     assert "profiles" not in services["nats"]
