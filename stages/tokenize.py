@@ -46,13 +46,15 @@ def prompt_token_ids(request: Request, tokenizer: Tokenizer) -> list[int]:
 
 def check_token_ids(sampling: Sampling, tokenizer: Tokenizer) -> None:
     """Token ids the client named must be the model's: the wire only bounds them by any model."""
-    for i, token_id in enumerate(sampling.stop_token_ids):
+    named = [(f"stop_token_ids[{i}]", t) for i, t in enumerate(sampling.stop_token_ids)]
+    named += [(f"logit_bias.{t}", t) for t in sampling.logit_bias or {}]
+    for field, token_id in named:
         if token_id >= tokenizer.vocab_size:
             raise StageError(
                 "invalid_request",
-                f"stop_token_ids[{i}]={token_id} is not a token of {tokenizer.model_name}: its "
-                f"ids are 0 to {tokenizer.vocab_size - 1}",
-                field=f"stop_token_ids[{i}]",
+                f"{field}: {token_id} is not a token of {tokenizer.model_name}: its ids are 0 "
+                f"to {tokenizer.vocab_size - 1}",
+                field=field,
             )
 
 

@@ -45,10 +45,6 @@ def _null_or(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or any(type(v) is type(x) and v == x for x in values)
 
 
-def _empty_map(value: Any) -> bool:
-    return value is None or value == {}
-
-
 def _empty_list(value: Any) -> bool:
     return value is None or value == []
 
@@ -122,7 +118,12 @@ PARAMS: tuple[Param, ...] = (
         'null or ""',
         (COMPLETIONS,),
     ),  # fmt: skip
-    _refused("logit_bias", f"a logit bias in the sampler is {NOT_YET}", _empty_map, "null or {}"),
+    _honoured(
+        "logit_bias",
+        "token id (a JSON key) -> bias in [-100, 100] added to its logit after the penalties, "
+        "up to 1024 ids of the served model's vocabulary; +100 all but forces a token, -100 "
+        "all but bans it; logprobs stay the model's own",
+    ),
     _honoured(
         "response_format",
         "text, json_object or json_schema (its schema enforced token by token by the engine's "

@@ -16,7 +16,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from schemas.bounded import JsonBoundsError, decode_bounded
-from schemas.events import RunCancelled, RunCompleted, Submit, Usage
+from schemas.events import MAX_LOGIT_BIAS, RunCancelled, RunCompleted, Submit, Usage
 from stages.edge.errors import RequestError
 from stages.edge.openai_params import CHAT, COMPLETIONS, check_params
 from stages.edge.tool_calls import (
@@ -48,6 +48,9 @@ StopString = get_args(get_args(Stop)[0])[0]  # one stop string, with the wire's 
 StopTokenIds = _WIRE["stop_token_ids"]
 RepetitionPenalty = _WIRE["repetition_penalty"]
 Penalty = _WIRE["presence_penalty"]
+# OpenAI's logit_bias: token ids as JSON keys (text) -> bias; to_submit makes the keys ints
+# and the wire's type bounds the biases
+LogitBias = Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)]
 ChatTopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 CompletionLogprobs = Annotated[int, Meta(ge=0, le=5)]  # OpenAI's legacy bound
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")  # what the SDK accepts
@@ -88,6 +91,7 @@ class _Common(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool | None = None
     stop_token_ids: StopTokenIds | None = None
+    logit_bias: LogitBias | None = None
     # structured output (the gateway checks that at most one is set and that it compiles)
     response_format: ResponseFormat = None
     guided_json: GuidedJson = None
@@ -135,7 +139,7 @@ class CompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_field
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 _MISSING_RE = re.compile(r"missing required field `([^`]+)`")
 _UNKNOWN_RE = re.compile(r"unknown field `([^`]+)`")
-_AT_RE = re.compile(r" - at `\$(.*)`$")
+_AT_RE = re.compile(r" - at (?:`key` in )?`\$(.*)`$")  # a dict's key: the dict
 _REFUSED_PARTS = ("image_url", "input_audio", "file", "refusal")
 _MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id")
 
@@ -253,6 +257,13 @@ def decode_body(body: bytes, kind: type[OpenAIRequest]) -> Any:
 
 
 def _check_together(req: OpenAIRequest) -> None:
+    for key in req.logit_bias or {}:
+        if not key.isascii() or not key.isdigit():
+            raise RequestError(
+                "invalid_request",
+                f"logit_bias: the key {key[:20]!r} is not a token id (a non-negative integer)",
+                "logit_bias",
+            )
     if req.stream_options is not None and not req.stream:
         raise RequestError(
             "invalid_request", "stream_options is only allowed with stream: true", "stream_options"
@@ -381,6 +392,8 @@ def to_submit(req: OpenAIRequest, **extra: Any) -> Submit:
         fields["top_k"] = req.top_k
     if req.num_logprobs is not None:
         fields["logprobs"] = req.num_logprobs
+    if req.logit_bias:
+        fields["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     for name in _SAMPLING:
         value = getattr(req, name)
         if value is not None:

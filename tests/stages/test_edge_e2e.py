@@ -705,3 +705,25 @@ async def test_langchain_bind_tools_and_with_structured_output(pipeline):
         assert isinstance(city, City), method
     anyjson = await llm.with_structured_output(method="json_mode").ainvoke(ask)
     assert isinstance(anyjson, dict)
+
+
+async def test_logit_bias_forces_and_bans_through_every_stage(pipeline):
+    """+100 on " blue" makes it every greedy token; -100 on the greedy answer's tokens bans
+    them; an id past the served vocabulary is a 400 naming it."""
+    edge, _ = pipeline
+    client = _client(edge)
+    auth = {"Authorization": f"Bearer {ACME_KEY}"}
+    async with httpx.AsyncClient(base_url=edge.url, headers=auth) as http:
+        (blue,) = (await http.post("/tokenize", json={"prompt": " blue"})).json()["tokens"]
+        args = {"model": MODEL, "prompt": "The sky is", "max_tokens": 3, "temperature": 0}
+        forced = await client.completions.create(**args, logit_bias={str(blue): 100})
+        assert forced.choices[0].text == " blue" * 3
+        free = await client.completions.create(**args, logprobs=1)
+        ids = (await http.post("/tokenize", json={"prompt": free.choices[0].text})).json()
+    ban = {str(t): -100 for t in ids["tokens"]}
+    banned = await client.completions.create(**args, logprobs=1, logit_bias=ban)
+    assert not set(banned.choices[0].logprobs.tokens) & set(free.choices[0].logprobs.tokens)
+    assert banned.choices[0].text != free.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(**args, logit_bias={"49152": 5})
+    assert info.value.body["param"] == "logit_bias.49152"

@@ -38,12 +38,14 @@ def test_wire_sampling_maps_field_by_field():
         temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, max_tokens=12, min_tokens=2,
         stop_token_ids=[5, 6], repetition_penalty=1.1, presence_penalty=0.5,
         frequency_penalty=-0.5, ignore_eos=True, logprobs=3, stop=["x"],
+        logit_bias={9: -100.0, 3: 2.5},
     )  # fmt: skip
     p = sampling_params(wire, "r")
     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.5, 0.9, 40, 0.05)
     assert (p.max_tokens, p.min_tokens, p.stop_token_ids) == (12, 2, (5, 6))
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.1, 0.5, -0.5)
     assert (p.ignore_eos, p.logprobs) == (True, 3)
+    assert p.logit_bias == ((3, 2.5), (9, -100.0))
 
 
 def test_a_value_the_engine_refuses_names_its_field():

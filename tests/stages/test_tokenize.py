@@ -96,3 +96,11 @@ def test_stop_token_ids_must_be_the_models(tok) -> None:
     ok = Request(messages=req.messages, sampling=Sampling(stop_token_ids=[2, 49151]))
     (out,) = tokenize.handle(assembled(ok), tok)
     assert out.sampling.stop_token_ids == [2, 49151]
+    biased = Request(messages=req.messages, sampling=Sampling(logit_bias={5: 1.0, 49152: -100}))
+    with pytest.raises(StageError) as info:
+        tokenize.handle(assembled(biased), tok)
+    assert (info.value.field, "ids are 0 to 49151" in info.value.message) == (
+        "logit_bias.49152", True)  # fmt: skip
+    fine = Request(messages=req.messages, sampling=Sampling(logit_bias={49151: 100}))
+    (out,) = tokenize.handle(assembled(fine), tok)
+    assert out.sampling.logit_bias == {49151: 100.0}

@@ -38,6 +38,9 @@ BAD = {  # beyond the schema tests' table: the hostile values of the issue
     "messages": [[{"role": "user", "content": 5}], [{"role": "bot", "content": "x"}], "x"],
     "prompt": [5, [5], {"a": 1}],
     "n": [BIG, 2],
+    "logit_bias": [{str(BIG): 1}, {"1": BIG}, {"x": 1}],
+    "tools": [[{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}]],
+    "tool_choice": [{"type": "function", "function": {"name": "nope"}}, "required"],
     "user": [5, ["x"]],
 }
 

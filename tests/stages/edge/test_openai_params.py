@@ -16,7 +16,7 @@ BASE = {
 }
 KINDS = {CHAT: ChatCompletionRequest, COMPLETIONS: CompletionRequest}
 NO_OPS = {
-    "n": 1, "best_of": 1, "echo": False, "suffix": "", "logit_bias": {}, "tools": [],
+    "n": 1, "best_of": 1, "echo": False, "suffix": "", "tools": [],
     "response_format": {"type": "text"}, "tool_choice": "none", "functions": [],
     "function_call": "none", "store": False, "service_tier": "auto", "modalities": ["text"],
     "skip_special_tokens": True, "include_stop_str_in_output": False,

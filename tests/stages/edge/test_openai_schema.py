@@ -130,7 +130,18 @@ BAD: dict[str, list] = {
     "best_of": [2, "x", 0],
     "echo": [True, "x", 1],
     "suffix": ["x", 1],
-    "logit_bias": [{"1": 5}, "x", [1]],
+    "logit_bias": [
+        {"x": 5},
+        {"-1": 5},
+        {"1.5": 5},
+        {"1": 101},
+        {"1": -100.5},
+        {"1": "x"},
+        {str(2**20): 1},  # past any model's vocabulary (the served one's: the tokenize stage)
+        {str(i): 1 for i in range(1025)},
+        "x",
+        [1],
+    ],
     "response_format": [
         {"type": "bogus"},
         "x",
