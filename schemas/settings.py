@@ -414,6 +414,16 @@ EDGE_MAX_HEADERS = declare(Setting[int](
     help="bytes of one request's headers",
     readers=("edge",),
 ))  # fmt: skip
+EDGE_HEADER_TIMEOUT_S = declare(Setting[float](
+    name="BRIGADE_EDGE_HEADER_TIMEOUT_S", kind="float", default=10.0, gt=0,
+    help="seconds a connection may take to send a request's headers before it gets 408",
+    readers=("edge",),
+))  # fmt: skip
+EDGE_BODY_TIMEOUT_S = declare(Setting[float](
+    name="BRIGADE_EDGE_BODY_TIMEOUT_S", kind="float", default=30.0, gt=0,
+    help="seconds a request's body may take after its headers before it gets 408",
+    readers=("edge",),
+))  # fmt: skip
 EDGE_MAX_FRAME = declare(Setting[int](
     name="BRIGADE_EDGE_MAX_FRAME", kind="int", default=1 << 20, ge=1,
     help="characters of one websocket frame",

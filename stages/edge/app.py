@@ -18,6 +18,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from stages.edge.core import Edge, EdgeConfig
 from stages.edge.errors import ErrorMiddleware, http_exception
+from stages.edge.http_limits import HttpLimits, bounded_protocol
 from stages.edge.keys import KeyRing
 from stages.edge.model_routes import ModelRoutes
 from stages.edge.openai_routes import OpenAIRoutes
@@ -115,7 +116,16 @@ class EdgeService(Service):
                 host=config.host,
                 port=config.port,
                 ws_max_size=2 * config.max_frame_bytes,
-                h11_max_incomplete_event_size=4 * config.max_header_bytes,
+                # header and body read timeouts, 431 past max_header_bytes (h11's own bound,
+                # a bare 400, stays above it)
+                http=bounded_protocol(
+                    HttpLimits(
+                        max_header_bytes=config.max_header_bytes,
+                        header_timeout_s=config.header_timeout_s,
+                        body_timeout_s=config.body_timeout_s,
+                    )
+                ),
+                h11_max_incomplete_event_size=4 * config.max_header_bytes + (64 << 10),
                 log_level="warning",
                 lifespan="off",
             )

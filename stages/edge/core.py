@@ -58,6 +58,8 @@ class EdgeConfig:
     port: int = 8080
     max_body_bytes: int = 1 << 20  # NATS' default max payload: a bigger submit cannot travel
     max_header_bytes: int = 16 << 10
+    header_timeout_s: float = 10.0  # connect (or the last response) to the request's headers
+    body_timeout_s: float = 30.0  # the headers to the body's last byte
     max_frame_bytes: int = 1 << 20
     idle_timeout_s: float = 300.0  # no event from the pipeline for this long -> 504
     # A client that drops a run with an idempotency key may come back for it: its cancel waits.
@@ -75,6 +77,8 @@ class EdgeConfig:
             port=found[settings.EDGE_PORT],
             max_body_bytes=found[settings.EDGE_MAX_BODY],
             max_header_bytes=found[settings.EDGE_MAX_HEADERS],
+            header_timeout_s=found[settings.EDGE_HEADER_TIMEOUT_S],
+            body_timeout_s=found[settings.EDGE_BODY_TIMEOUT_S],
             max_frame_bytes=found[settings.EDGE_MAX_FRAME],
             reconnect_grace_s=found[settings.EDGE_RECONNECT_GRACE_S],
             model=found[settings.MODEL],

@@ -133,6 +133,8 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_EDGE_PORT": 8080,
         "BRIGADE_EDGE_MAX_BODY": 1 << 20,
         "BRIGADE_EDGE_MAX_HEADERS": 16 << 10,
+        "BRIGADE_EDGE_HEADER_TIMEOUT_S": 10.0,
+        "BRIGADE_EDGE_BODY_TIMEOUT_S": 30.0,
         "BRIGADE_EDGE_MAX_FRAME": 1 << 20,
         "BRIGADE_EDGE_RECONNECT_GRACE_S": 15.0,
         "BRIGADE_EDGE_MAX_WAITING_TOKENS": 65536,
