@@ -102,7 +102,7 @@ class BlockManager:
         """Give a sequence with no blocks the cached blocks of its longest cached prefix of full
         blocks (never its last token's block); -> the tokens it no longer computes."""
         assert not seq.block_table and seq.num_computed_tokens == 0, "take for a fresh sequence"
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return 0
         hashes = block_hashes(
             seq.token_ids, self.block_size, seq.block_hashes, domain=seq.cache_domain

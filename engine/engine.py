@@ -19,7 +19,7 @@ from engine.errors import RequestRejected
 from engine.grammar import GrammarCache
 from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budget
 from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, PromptRows
 from engine.params import SamplingParams
 from engine.sampler import SamplingRequest
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -104,6 +104,8 @@ class StepOutput:
     num_output_tokens: int
     seed: int
     new_logprobs: list[list[tuple[int, float]]] | None  # per new token: sampled, then top-n
+    # with params.prompt_logprobs, on the request's first output: prompt token i + 1's entry
+    prompt_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Engine:
@@ -252,7 +254,9 @@ class Engine:
         batch = self.scheduler.schedule(drafts)
         if batch.is_empty:
             return outputs
-        logits = self.runner.run(batch.scheduled)  # [num_sampled_rows, vocab] or None
+        logits, prompt_rows = self.runner.run(batch.scheduled)  # [num_sampled_rows, vocab]
+        for rows in prompt_rows:
+            self._add_prompt_logprobs(rows)
         token_ids, logprobs = [], None
         if logits is not None:
             chunks = [s for s in batch.scheduled if s.samples]
@@ -311,6 +315,26 @@ class Engine:
             token_bitmask=token_bitmask,
         )
 
+    def _add_prompt_logprobs(self, rows: PromptRows) -> None:
+        """Each row's prompt token (the one after its position) and its top-n, appended to the
+        sequence's prompt logprobs in position order (rows computed again are skipped)."""
+        seq, n = rows.seq, rows.seq.params.prompt_logprobs
+        assert n is not None, "prompt rows only for requests that asked"
+        logprobs = rows.logits.log_softmax(dim=-1)  # [m, vocab]
+        targets = torch.tensor(
+            seq.prompt_token_ids[rows.start + 1 : rows.start + 1 + logprobs.shape[0]],
+            device=logprobs.device,
+        )  # [m]
+        own = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+        top_vals, top_ids = logprobs.topk(max(n, 1), dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for k, (token_id, lp) in enumerate(zip(targets.tolist(), own, strict=True)):
+            if rows.start + k != len(seq.prompt_logprobs):
+                continue
+            seq.prompt_logprobs.append(
+                [(token_id, lp), *zip(top_ids[k][:n], top_vals[k][:n], strict=True)]
+            )
+
     def _emit(self, seq: Sequence, num_new: int) -> StepOutput:
         """The output of a sequence that just got `num_new` tokens (more than one when a draft
         was accepted); a finished one is forgotten."""
@@ -327,6 +351,11 @@ class Engine:
             num_output_tokens=seq.num_output_tokens,
             seed=seq.seed,
             new_logprobs=seq.logprobs[-num_new:] if want_logprobs else None,
+            prompt_logprobs=(
+                seq.prompt_logprobs
+                if seq.params.prompt_logprobs is not None and seq.num_output_tokens == num_new
+                else None
+            ),
         )
 
     def abort_request(self, request_id: str) -> bool:

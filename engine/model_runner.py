@@ -2,10 +2,13 @@
 
 The batch is the scheduled sequences' new tokens concatenated in order (no padding). Inputs are
 built as Python lists and copied to the device once per tensor; logits are computed only for
-the last token of each sequence that samples this step, and for each of its draft tokens.
+the last token of each sequence that samples this step, and for each of its draft tokens, and
+for every prompt position of a sequence that asked for prompt logprobs (PromptRows).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -15,6 +18,17 @@ from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache
 from engine.model import LlamaForCausalLM
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Logits of prompt positions [start, start + len(logits)) of `seq`: row k predicts prompt
+    token start + k + 1."""
+
+    seq: Sequence
+    start: int
+    logits: Tensor  # [num_rows, vocab] float32
 
 
 class ModelRunner:
@@ -36,15 +50,22 @@ class ModelRunner:
 
     def prepare(
         self, scheduled: list[ScheduledSeq]
-    ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        """-> input_ids [num_tokens], positions [num_tokens], metadata, logits_indices [n]."""
+    ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor, list[tuple[Sequence, int, list[int]]]]:
+        """-> input_ids [num_tokens], positions [num_tokens], metadata, logits_indices [n], and
+        (seq, first position, rows) of the prompt positions whose logits are asked for."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         logits_indices: list[int] = []
+        prompt_rows: list[tuple[Sequence, int, list[int]]] = []
         for s in scheduled:
+            if s.seq.needs_prompt_logits:  # positions before the last prompt token's
+                stop = min(s.start + s.num_real_tokens, s.seq.num_prompt_tokens - 1)
+                first = len(input_ids)
+                if stop > s.start:
+                    prompt_rows.append((s.seq, s.start, list(range(first, first + stop - s.start))))
             end = s.start + s.num_new_tokens
             input_ids += s.seq.token_ids[s.start : s.start + s.num_real_tokens]
             input_ids += s.draft  # speculative tokens go after the real ones
@@ -74,13 +95,19 @@ class ModelRunner:
             self._tensor(positions, torch.int64),
             attn,
             self._tensor(logits_indices, torch.int64),
+            prompt_rows,
         )
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> Tensor | None:
-        """Forward the batch; -> logits [num_sampling_seqs, vocab] float32, or None if none."""
-        input_ids, positions, attn, logits_indices = self.prepare(scheduled)
+    def run(self, scheduled: list[ScheduledSeq]) -> tuple[Tensor | None, list[PromptRows]]:
+        """Forward the batch; -> logits [num_sampled_rows, vocab] float32 (None if none), and
+        the logits of the prompt positions asked for."""
+        input_ids, positions, attn, logits_indices, prompt_rows = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, attn)
+        prompts = [
+            PromptRows(seq, start, self.model.compute_logits(hidden[self._tensor(rows, torch.int64)]))
+            for seq, start, rows in prompt_rows
+        ]  # fmt: skip
         if logits_indices.numel() == 0:
-            return None
-        return self.model.compute_logits(hidden[logits_indices])  # [n, vocab]
+            return None, prompts
+        return self.model.compute_logits(hidden[logits_indices]), prompts  # [n, vocab]

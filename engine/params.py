@@ -104,6 +104,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (the sampled one first)
+    # top-n logprobs of each prompt token after the first (the prompt's own token first); the
+    # request then computes its whole prompt (no prefix-cache hits)
+    prompt_logprobs: int | None = None
     # (token id, bias) pairs, ids ascending: the bias is added to the token's logit after the
     # penalties (a dict is taken and sorted); the engine checks the ids against its vocabulary
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -171,6 +174,13 @@ class SamplingParams:
             or (integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
             self.logprobs,
+            f"None or an integer in [0, {MAX_LOGPROBS}]",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (integer(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
+            self.prompt_logprobs,
             f"None or an integer in [0, {MAX_LOGPROBS}]",
         )
         _check(

@@ -40,6 +40,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # with params.prompt_logprobs: entry i is prompt token i + 1's (its own first, then top-n)
+    prompt_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_preemptions: int = 0
     cache_domain: str = ""  # prefix-cache domain (a tenant): only its own prefixes match
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain, full blocks
@@ -88,6 +90,15 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs are asked for and not all computed: every prompt position's logits
+        are needed, so none of its prompt may come from the prefix cache."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        )
 
     @property
     def is_finished(self) -> bool:

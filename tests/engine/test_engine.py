@@ -296,6 +296,44 @@ def test_logit_bias_forces_and_bans_tokens_and_is_checked_against_the_vocabulary
         engine.add_request("x", [5], SamplingParams(logit_bias={259: 1.0}))
 
 
+def _first_output(engine, rid, toks, params):
+    engine.add_request(rid, toks, params)
+    first = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            first = first or o
+    return first
+
+
+def test_prompt_logprobs_equal_each_position_sampled_alone_chunked_and_past_the_cache(tiny_dir):
+    """Entry k is prompt token k + 1 with its logprob, then the top-2 at position k: the same
+    as a request of prompt[:k + 1] forced (logit_bias) to sample that token; computed in
+    chunks of 5 tokens and with the prompt's blocks in the prefix cache, unchanged."""
+    vocab_engine = tiny_engine(tiny_dir)
+    toks = prompts([11], vocab_engine.model_config.vocab_size)[0]
+    ref = []
+    for k in range(len(toks) - 1):
+        forced = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2,
+                                logit_bias={toks[k + 1]: 100})  # fmt: skip
+        ref.append(_first_output(vocab_engine, f"p{k}", toks[: k + 1], forced).new_logprobs[0])
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    for kw in (
+        {},
+        {"max_num_batched_tokens": 5, "max_num_seqs": 4},
+        {"enable_prefix_caching": True},
+    ):
+        engine = tiny_engine(tiny_dir, **kw)
+        if kw.get("enable_prefix_caching"):
+            _first_output(engine, "warm", toks, SamplingParams(max_tokens=1))
+        got = _first_output(engine, "r", toks, params).prompt_logprobs
+        assert [e[0][0] for e in got] == toks[1:]
+        for entry, want in zip(got, ref, strict=True):
+            assert [t for t, _ in entry] == [t for t, _ in want]
+            assert [lp for _, lp in entry] == pytest.approx([lp for _, lp in want], abs=1e-4)
+        if kw.get("enable_prefix_caching"):
+            assert engine.scheduler.num_prefix_hits == 0  # computed whole, not from the cache
+
+
 def test_engine_config_is_validated():
     with pytest.raises(ValueError, match=r"EngineConfig.dtype='fp8'; allowed: \['bfloat16'"):
         EngineConfig(dtype="fp8")
