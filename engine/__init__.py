@@ -3,8 +3,15 @@
 Exports are lazy (PEP 562) so that `import engine.tokenizer` never loads torch.
 """
 
+import os
 from importlib import import_module
 from typing import Any
+
+# Before torch loads (its OpenMP runtime reads this once): idle pool threads sleep instead of
+# spinning. Spinning wins a few microseconds per op on an idle machine, but beside the stages and
+# nats-server on two cores the spinners take the CPU the others need, and a descheduled peer
+# stalls the whole op (measured in docs/benchmarks.md). schemas/settings.py documents it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _EXPORTS: dict[str, str] = {
     "LLM": "engine.llm",

@@ -368,6 +368,12 @@ CC = declare(Setting[str | None](
     help="C compiler that builds the CPU kernels (attention, quantized GEMV)",
     readers=("engine", "bench"),
 ))  # fmt: skip
+OMP_WAIT_POLICY = declare(Setting[str](
+    name="OMP_WAIT_POLICY", kind="str", default="PASSIVE",
+    help="OpenMP's idle worker threads (torch's CPU pool): PASSIVE sleeps at once; ACTIVE spins, "
+    "which starves the stages and nats-server sharing the cores; read once, when torch loads",
+    readers=("engine", "bench"),
+))  # fmt: skip
 XDG_CACHE_HOME = declare(Setting[Path | None](
     name="XDG_CACHE_HOME", kind="path", default=None, default_text="~/.cache",
     help="cache root; the built CPU kernels live in its brigade/kernels",

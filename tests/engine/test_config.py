@@ -1,5 +1,7 @@
 """ModelConfig from GGUF metadata and HF config.json, and its validation."""
 
+import os
+
 import pytest
 
 from engine.config import ModelConfig
@@ -75,3 +77,19 @@ def test_gguf_errors_name_the_problem():
     missing = {k: v for k, v in GGUF.items() if k != "llama.block_count"}
     with pytest.raises(ValueError, match="GGUF metadata lacks 'llama.block_count'"):
         ModelConfig.from_gguf_metadata(missing, has_output_weight=False)
+
+
+def test_openmp_waits_passively_unless_told_otherwise():
+    """engine/__init__ sets the documented default before torch loads; a user's value stands."""
+    import subprocess
+    import sys
+
+    from schemas import settings
+
+    code = "import os, engine, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == settings.OMP_WAIT_POLICY.default == "PASSIVE"
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "ACTIVE"
