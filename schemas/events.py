@@ -23,6 +23,7 @@ Role = Literal["system", "user", "assistant"]
 MAX_TEXT_CHARS = 1_000_000  # one message, document or prompt
 MAX_MESSAGES = 1024
 MAX_DOCUMENTS = 64
+MAX_PROMPT_TOKENS = 1 << 20  # a prompt given as token ids
 # No model's vocabulary is larger: the wire's bound on a token id. The tokenize stage checks
 # the served model's own (SmolLM2: 49152); the gateway knows no model.
 VOCAB_CEILING = 1 << 20
@@ -92,6 +93,7 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     ignore_eos: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # top-n per prompt token
     logit_bias: LogitBias | None = None
     # structured output, at most one (the gateway checks): OpenAI's response_format, or vLLM's
     # guided_json (a schema, as an object or its JSON text), guided_regex, guided_choice (the
@@ -129,6 +131,10 @@ class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     model: str | None = None
     messages: Annotated[list[Message], Meta(max_length=MAX_MESSAGES)] | None = None
     prompt: Annotated[str, Meta(max_length=MAX_TEXT_CHARS)] | None = None
+    # a raw prompt given as the served model's token ids (instead of `prompt`), passed as is
+    prompt_token_ids: (
+        Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)] | None
+    ) = None
     system: Annotated[str, Meta(max_length=MAX_TEXT_CHARS)] | None = None
     documents: Annotated[list[Document], Meta(max_length=MAX_DOCUMENTS)] = []
     truncation: Truncation = "drop_oldest"
@@ -151,6 +157,7 @@ class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     ignore_eos: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # top-n per prompt token
     logit_bias: LogitBias | None = None
     # structured output, at most one (the gateway checks): OpenAI's response_format, or vLLM's
     # guided_json (a schema, as an object or its JSON text), guided_regex, guided_choice (the
@@ -177,6 +184,7 @@ class Request(Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     messages: list[Message]  # the conversation; a bare `prompt` becomes one user message
     raw_prompt: bool = False  # True: `prompt` was given; tokenize it without the chat template
+    prompt_token_ids: list[int] | None = None  # raw_prompt given as token ids (messages: none)
     system: str | None = None
     documents: list[Document] = []
     model: str | None = None
@@ -281,6 +289,9 @@ class TokensGenerated(Event, tag="tokens"):
     context_token_ids: list[int] = []
     stop: list[str] = []
     logprobs: list[list[TokenLogprob]] | None = None  # per token: the sampled one first, then top-n
+    # seq 0 of a request with prompt_logprobs: per prompt token after the first, that token
+    # first, then the top-n at the position before it
+    prompt_logprobs: list[list[TokenLogprob]] | None = None
     # Engine gauges after this step (the report's queue depth and KV usage; None when unknown).
     num_waiting: int | None = None  # requests waiting for admission into the engine
     num_running: int | None = None  # requests in the running batch

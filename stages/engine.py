@@ -330,6 +330,11 @@ class EngineStage(InputService):
                 context_token_ids=run.output_ids[-run.window :] if run.window else [],
                 stop=run.event.sampling.stop,
                 logprobs=logprobs,
+                prompt_logprobs=(
+                    None
+                    if out.prompt_logprobs is None
+                    else [[TokenLogprob(t, lp) for t, lp in e] for e in out.prompt_logprobs]
+                ),
                 num_waiting=stats.num_waiting,
                 num_running=stats.num_running,
                 kv_usage=round(stats.kv_usage, 4),

@@ -69,6 +69,7 @@ def sampling_params(sampling: Sampling, request_id: str) -> Any:
             stop_token_ids=tuple(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,
             logprobs=sampling.logprobs,
+            prompt_logprobs=sampling.prompt_logprobs,
             logit_bias=sampling.logit_bias or {},
             constraint=constraint(sampling),
         )

@@ -123,6 +123,7 @@ class Fit:
     num_prompt_tokens: int
     truncated: bool
     dropped_history: list[Message]
+    prompt_token_ids: list[int] | None = None  # a raw prompt given as ids, as fitted
 
 
 def fit(
@@ -211,7 +212,10 @@ def fit(
 
 
 def fit_raw_prompt(request: Request, costs: Costs, budget: int) -> Fit:
-    """A raw prompt has no template: it fits as is, or (sliding_window) keeps its newest tokens."""
+    """A raw prompt has no template: it fits as is, or (sliding_window) keeps its newest tokens
+    (a prompt given as token ids: its newest ids)."""
+    if request.prompt_token_ids is not None:
+        return _fit_token_ids(request, budget)
     prompt = request.messages[0].content
     ids = costs.tok.encode(prompt)
     if len(ids) > budget and request.truncation == "sliding_window" and budget > 0:
@@ -242,6 +246,28 @@ def fit_raw_prompt(request: Request, costs: Costs, budget: int) -> Fit:
     )
 
 
+def _fit_token_ids(request: Request, budget: int) -> Fit:
+    ids = request.prompt_token_ids or []
+    if len(ids) > budget and request.truncation != "sliding_window":
+        raise StageError(
+            "context_length",
+            f"prompt_token_ids has {len(ids)} tokens but the context window leaves {budget} "
+            f"after max_tokens={request.sampling.max_tokens}; shorten it or lower max_tokens",
+            field="prompt_token_ids",
+        )
+    kept = ids[-budget:] if len(ids) > budget else ids
+    return Fit(
+        messages=[],
+        parts=[
+            ContextPart(name="user", num_tokens=len(kept), num_dropped_tokens=len(ids) - len(kept))
+        ],
+        num_prompt_tokens=len(kept),
+        truncated=len(kept) < len(ids),
+        dropped_history=[],
+        prompt_token_ids=list(kept),
+    )
+
+
 def budget_for(request: Request, max_model_len: int) -> int:
     budget = max_model_len - request.sampling.max_tokens
     if budget <= 0:
@@ -262,6 +288,7 @@ def assembled(
     fitted = Request(
         messages=result.messages,
         raw_prompt=request.raw_prompt,
+        prompt_token_ids=result.prompt_token_ids,
         model=request.model,
         truncation=request.truncation,
         priority=request.priority,

@@ -51,17 +51,23 @@ def _invalid(field: str, message: str) -> StageError:
 
 def normalize(submit: Submit, *, limit_chars: int) -> Request:
     """Check what the schema cannot express and build the pipeline's `Request`."""
-    if submit.messages is None and submit.prompt is None:
+    given = [
+        n for n in ("messages", "prompt", "prompt_token_ids") if getattr(submit, n) is not None
+    ]
+    if not given:
         raise _invalid(
             "messages",
-            "give `messages` (a list of {role, content}) or `prompt` (a string); neither was sent",
+            "give `messages` (a list of {role, content}), `prompt` (a string) or "
+            "`prompt_token_ids`; none was sent",
         )
-    if submit.messages is not None and submit.prompt is not None:
-        raise _invalid("prompt", "give either `messages` or `prompt`, not both")
+    if len(given) > 1:
+        raise _invalid(given[1], f"give one of `messages`, `prompt` and `prompt_token_ids`, not "
+                       f"{' and '.join(given)}")  # fmt: skip
+    raw = submit.prompt is not None or submit.prompt_token_ids is not None
     if submit.messages is not None and not submit.messages:
         raise _invalid("messages", "`messages` is empty; send at least one {role, content}")
-    if submit.prompt is not None:
-        if not submit.prompt:
+    if raw:
+        if submit.prompt is not None and not submit.prompt:
             raise _invalid("prompt", "`prompt` is empty")
         for name in ("system", "documents", "retrieval"):
             if getattr(submit, name):
@@ -73,7 +79,11 @@ def normalize(submit: Submit, *, limit_chars: int) -> Request:
             "min_tokens",
             f"min_tokens={submit.min_tokens} is above max_tokens={submit.max_tokens}",
         )
-    messages = submit.messages or [Message(role="user", content=submit.prompt or "")]
+    messages = submit.messages or (
+        []
+        if submit.prompt_token_ids is not None
+        else [Message(role="user", content=submit.prompt or "")]
+    )
     num_chars = (
         sum(len(m.content) for m in messages)
         + len(submit.system or "")
@@ -90,7 +100,8 @@ def normalize(submit: Submit, *, limit_chars: int) -> Request:
     check_constraint(sampling)
     return Request(
         messages=messages,
-        raw_prompt=submit.prompt is not None,
+        raw_prompt=raw,
+        prompt_token_ids=submit.prompt_token_ids,
         system=submit.system,
         documents=submit.documents,
         model=submit.model,

@@ -14,7 +14,6 @@ from schemas.events import (
     Event,
     PromptTokenized,
     Request,
-    Sampling,
     decoder_for,
 )
 from stages.runtime.failures import StageError
@@ -38,15 +37,19 @@ def prompt_token_ids(request: Request, tokenizer: Tokenizer) -> list[int]:
     chat template, and control-token text in their content is encoded as ordinary text, so no
     content can forge a turn. A raw `prompt` (the completions API) is the caller's whole text,
     framing included: as in vLLM, control-token text there is the control token."""
+    if request.prompt_token_ids is not None:  # given as ids: the caller's own tokens
+        return list(request.prompt_token_ids)
     if request.raw_prompt:
         return tokenizer.encode(request.messages[0].content)
     messages = [{"role": m.role, "content": m.content} for m in request.messages]
     return tokenizer.encode_chat(messages, add_generation_prompt=True)
 
 
-def check_token_ids(sampling: Sampling, tokenizer: Tokenizer) -> None:
+def check_token_ids(request: Request, tokenizer: Tokenizer) -> None:
     """Token ids the client named must be the model's: the wire only bounds them by any model."""
-    named = [(f"stop_token_ids[{i}]", t) for i, t in enumerate(sampling.stop_token_ids)]
+    sampling = request.sampling
+    named = [(f"prompt_token_ids[{i}]", t) for i, t in enumerate(request.prompt_token_ids or ())]
+    named += [(f"stop_token_ids[{i}]", t) for i, t in enumerate(sampling.stop_token_ids)]
     named += [(f"logit_bias.{t}", t) for t in sampling.logit_bias or {}]
     for field, token_id in named:
         if token_id >= tokenizer.vocab_size:
@@ -59,7 +62,7 @@ def check_token_ids(sampling: Sampling, tokenizer: Tokenizer) -> None:
 
 
 def handle(event: ContextAssembled, tokenizer: Tokenizer) -> list[Event]:
-    check_token_ids(event.request.sampling, tokenizer)
+    check_token_ids(event.request, tokenizer)
     ids = prompt_token_ids(event.request, tokenizer)
     if not ids:
         raise StageError("invalid_request", "the prompt has no tokens", field="prompt")

@@ -116,6 +116,23 @@ def test_raw_prompt_fits_or_slides(costs: fitting.Costs) -> None:
         fitting.fit_raw_prompt(Request(messages=raw.messages, raw_prompt=True), costs, 3)
 
 
+def test_a_prompt_of_token_ids_fits_or_slides_by_ids(costs: fitting.Costs) -> None:
+    raw = Request(messages=[], raw_prompt=True, prompt_token_ids=[9, 8, 7, 6, 5])
+    whole = fitting.fit_raw_prompt(raw, costs, 5)
+    assert (whole.prompt_token_ids, parts(whole), whole.truncated) == (
+        [9, 8, 7, 6, 5], [("user", 5, 0, 0)], False)  # fmt: skip
+    with pytest.raises(StageError, match="prompt_token_ids has 5 tokens but the context window"):
+        fitting.fit_raw_prompt(raw, costs, 3)
+    slid = Request(messages=[], raw_prompt=True, prompt_token_ids=[9, 8, 7, 6, 5],
+                   truncation="sliding_window")  # fmt: skip
+    fit = fitting.fit_raw_prompt(slid, costs, 3)
+    assert (fit.prompt_token_ids, parts(fit), fit.truncated) == (
+        [7, 6, 5],
+        [("user", 3, 2, 0)],
+        True,
+    )
+
+
 def test_assembled_carries_the_fitted_messages_and_the_request_around_them(costs) -> None:
     asked = request("drop_oldest", priority="batch")
     event = RequestAuthorized(request_id="r1", tenant="t", request=asked, priority="batch")

@@ -57,12 +57,24 @@ def submit_result(data: bytes) -> RequestAccepted | RequestFailed:
         (
             b"{}",
             "messages",
-            "give `messages` (a list of {role, content}) or `prompt` (a string); neither was sent",
+            "give `messages` (a list of {role, content}), `prompt` (a string) or "
+            "`prompt_token_ids`; none was sent",
         ),
         (
             b'{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}',
             "prompt",
-            "give either `messages` or `prompt`, not both",
+            "give one of `messages`, `prompt` and `prompt_token_ids`, not messages and prompt",
+        ),
+        (
+            b'{"prompt": "a", "prompt_token_ids": [1, 2]}',
+            "prompt_token_ids",
+            "give one of `messages`, `prompt` and `prompt_token_ids`, not prompt and "
+            "prompt_token_ids",
+        ),
+        (
+            b'{"prompt_token_ids": [1], "documents": [{"content": "d"}]}',
+            "documents",
+            "`documents` needs `messages`: a raw `prompt` reaches the model as is",
         ),
         (
             b'{"prompt": "a", "system": "s"}',
@@ -125,6 +137,10 @@ def test_accepted_normalizes_and_hashes_the_key() -> None:
     assert (r.raw_prompt, [(m.role, m.content) for m in r.messages]) == (True, [("user", "Hi")])
     assert (r.sampling.temperature, r.sampling.max_tokens, r.sampling.stop) == (0.0, 7, ["\n"])
     assert r.priority == "batch" and out.received_ns > 0
+    ids = submit_result(b'{"prompt_token_ids": [5, 6, 7], "max_tokens": 2}')
+    assert isinstance(ids, RequestAccepted)
+    assert (ids.request.raw_prompt, ids.request.messages, ids.request.prompt_token_ids) == (
+        True, [], [5, 6, 7])  # fmt: skip
 
 
 @pytest.mark.anyio

@@ -101,6 +101,13 @@ def test_stop_token_ids_must_be_the_models(tok) -> None:
         tokenize.handle(assembled(biased), tok)
     assert (info.value.field, "ids are 0 to 49151" in info.value.message) == (
         "logit_bias.49152", True)  # fmt: skip
+    ids = Request(messages=[], raw_prompt=True, prompt_token_ids=[1, 49152])
+    with pytest.raises(StageError) as info:
+        tokenize.handle(assembled(ids), tok)
+    assert info.value.field == "prompt_token_ids[1]"
+    (out,) = tokenize.handle(assembled(Request(messages=[], raw_prompt=True,
+                                               prompt_token_ids=[1, 49151])), tok)  # fmt: skip
+    assert out.prompt_token_ids == [1, 49151]
     fine = Request(messages=req.messages, sampling=Sampling(logit_bias={49151: 100}))
     (out,) = tokenize.handle(assembled(fine), tok)
     assert out.sampling.logit_bias == {49151: 100.0}
