@@ -440,9 +440,10 @@ EDGE_RECONNECT_GRACE_S = declare(Setting[float](
     help="seconds a dropped run with an idempotency key waits for its client to come back",
     readers=("edge",),
 ))  # fmt: skip
-EDGE_MAX_WAITING_TOKENS = declare(Setting[int](
-    name="BRIGADE_EDGE_MAX_WAITING_TOKENS", kind="int", default=65536, ge=1,
-    help="prompt tokens the edge lets wait for a first token before it answers 429",
+EDGE_MAX_WAIT_S = declare(Setting[float](
+    name="BRIGADE_EDGE_MAX_WAIT_S", kind="float", default=0.5, gt=0,
+    help="estimated seconds to a first token (the waiting runs ahead, then its prefill) past "
+    "which the edge answers 503 while runs wait",
     readers=("edge",),
 ))  # fmt: skip
 EDGE_MODEL_ALIASES = declare(Setting[tuple[str, ...]](

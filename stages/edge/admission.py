@@ -1,14 +1,20 @@
-"""Admission at the edge: bounded waiting work, refused fast (503 `overloaded`) past the bound.
+"""Admission at the edge: the work waiting for a first token is bounded by the time it will take,
+and a request past the bound is refused at once (503 `overloaded`, Retry-After from the queue).
 
-Waiting work is the reserved tokens (prompt estimate + max_tokens) of runs this edge submitted
-that have not produced their first token yet. A run is refused when it would push waiting work
-past the bound (batch tenants only up to `batch_share` of it, so interactive tenants keep
-headroom), or when the engine reports its KV cache above the watermark with requests already
-queued. The engine's own admission then decides what runs first (interactive before batch).
+Waiting work is the runs this edge submitted that have no first token yet. A new request's time
+to its first token is estimated as the time the runs ahead of it need to start, from the start
+rate measured over the last `window_s` (first tokens per second; with too few starts yet, their
+prompts at the measured prefill rate), plus its own prompt at the prefill rate learned from
+completed runs (`prefill_ns`). It is refused when runs wait and the estimate exceeds `max_wait_s`
+(batch tenants get `batch_share` of it, so interactive ones keep headroom), or when the engine
+reports its KV cache above the watermark with requests queued. A lone request is never refused
+here: whether it can ever fit the model's window is the edge's and the context stage's check.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
 
 from schemas.events import (
@@ -22,45 +28,96 @@ from schemas.events import (
 )
 from stages.edge.errors import RequestError
 
+RATE_WEIGHT = 0.2  # each completed run's share of the learned prefill rate (an EWMA)
+
 
 @dataclass(frozen=True, kw_only=True)
 class AdmissionConfig:
-    max_waiting_tokens: int = 65536
+    max_wait_s: float = 0.5  # the estimated wait for a first token the edge lets a request take
     kv_watermark: float = 0.95
     batch_share: float = 0.5
-    retry_after_s: float = 1.0
+    prefill_tok_s: float = 500.0  # the first estimate, until completed runs measure it
+    window_s: float = 10.0  # first tokens counted for the start rate
 
     def __post_init__(self) -> None:
-        if self.max_waiting_tokens < 1:
-            raise ValueError(f"max_waiting_tokens={self.max_waiting_tokens} must be >= 1")
+        if self.max_wait_s <= 0:
+            raise ValueError(f"max_wait_s={self.max_wait_s} must be > 0")
         if not 0.0 < self.kv_watermark <= 1.0:
             raise ValueError(f"kv_watermark={self.kv_watermark} must be in (0, 1]")
         if not 0.0 < self.batch_share <= 1.0:
             raise ValueError(f"batch_share={self.batch_share} must be in (0, 1]")
+        if self.prefill_tok_s <= 0 or self.window_s <= 0:
+            raise ValueError(f"prefill_tok_s and window_s must be > 0, got {self}")
+
+
+@dataclass(frozen=True)
+class Waiting:
+    prompt_tokens: int
+    since: float  # monotonic seconds
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A new request's expected wait: the runs ahead of it, then its own prefill."""
+
+    num_ahead: int
+    queue_s: float  # until the runs ahead have started
+    prefill_s: float  # its own prompt
+
+    @property
+    def total_s(self) -> float:
+        return self.queue_s + self.prefill_s
 
 
 class AdmissionGate:
-    def __init__(self, config: AdmissionConfig) -> None:
+    def __init__(self, config: AdmissionConfig, clock=time.monotonic) -> None:
         self.config = config
-        self.waiting: dict[str, int] = {}
-        self.num_waiting_tokens = 0
+        self.clock = clock
+        self.waiting: dict[str, Waiting] = {}
+        self.starts: deque[float] = deque()  # first tokens within window_s
+        self.prefill_tok_s = config.prefill_tok_s
+        self.num_prefill_samples = 0
         self.kv_usage: float | None = None
         self.engine_waiting: int | None = None
 
-    def admit(self, request_id: str, tokens: int, priority: str = "interactive") -> None:
+    # ---- the estimate ----
+
+    def start_rate(self) -> float | None:
+        """First tokens per second over the window; None with fewer than two."""
+        now = self.clock()
+        self._forget(now)
+        if len(self.starts) < 2:
+            return None
+        first, last = self.starts[0], self.starts[-1]
+        between = (len(self.starts) - 1) / max(last - first, 1e-3)
+        until_now = len(self.starts) / max(now - first, 1e-3)  # falls when starts stop coming
+        return min(between, until_now)
+
+    def estimate(self, prompt_tokens: int) -> Estimate:
+        ahead = list(self.waiting.values())
+        prefill = prompt_tokens / self.prefill_tok_s
+        if not ahead:
+            return Estimate(num_ahead=0, queue_s=0.0, prefill_s=prefill)
+        by_prefill = sum(w.prompt_tokens for w in ahead) / self.prefill_tok_s
+        rate = self.start_rate()
+        by_starts = len(ahead) / rate if rate else 0.0
+        return Estimate(num_ahead=len(ahead), queue_s=max(by_prefill, by_starts), prefill_s=prefill)
+
+    # ---- admission ----
+
+    def admit(self, request_id: str, prompt_tokens: int, priority: str = "interactive") -> None:
         c = self.config
-        bound = (
-            c.max_waiting_tokens
-            if priority == "interactive"
-            else int(c.max_waiting_tokens * c.batch_share)
-        )
-        if self.num_waiting_tokens + tokens > bound:
+        bound = c.max_wait_s if priority == "interactive" else c.max_wait_s * c.batch_share
+        found = self.estimate(prompt_tokens)
+        if found.num_ahead and found.total_s > bound:
+            retry = found.queue_s  # the work ahead drains in this time; then it fits again
             raise RequestError(
                 "overloaded",
-                f"{self.num_waiting_tokens} tokens already wait for the engine and this request "
-                f"reserves {tokens}; the bound for {priority} work is {bound} "
-                "(BRIGADE_EDGE_MAX_WAITING_TOKENS); retry shortly",
-                retry_after_s=c.retry_after_s,
+                f"{found.num_ahead} requests wait for a first token (~{found.queue_s:.2f} s to "
+                f"start them) and this one needs ~{found.prefill_s:.2f} s of prefill; the bound "
+                f"for {priority} work is {bound:.2f} s (BRIGADE_EDGE_MAX_WAIT_S); retry after "
+                f"{retry:.1f} s",
+                retry_after_s=retry,
             )
         kv, queued = self.kv_usage, self.engine_waiting
         if kv is not None and kv >= c.kv_watermark and queued:
@@ -68,24 +125,41 @@ class AdmissionGate:
                 "overloaded",
                 f"engine KV cache at {kv:.0%} (watermark {c.kv_watermark:.0%}, "
                 f"BRIGADE_EDGE_KV_WATERMARK) with {queued} requests queued; retry shortly",
-                retry_after_s=c.retry_after_s,
+                retry_after_s=max(found.queue_s, 1.0),
             )
-        self.waiting[request_id] = tokens
-        self.num_waiting_tokens += tokens
+        self.waiting[request_id] = Waiting(prompt_tokens=prompt_tokens, since=self.clock())
 
     def release(self, request_id: str) -> None:
-        tokens = self.waiting.pop(request_id, None)
-        if tokens is not None:
-            self.num_waiting_tokens -= tokens
+        self.waiting.pop(request_id, None)
+
+    # ---- what the runs tell ----
 
     def observe(self, event: AnyEvent) -> None:
-        """Engine gauges, and the end of a run's wait (its first token, or its end)."""
+        """Engine gauges, prefill rates of finished runs, and the end of a run's wait."""
         if isinstance(event, TokensGenerated | RunFinished):
             if event.kv_usage is not None:
                 self.kv_usage = event.kv_usage
             if event.num_waiting is not None:
                 self.engine_waiting = event.num_waiting
+        if isinstance(event, RunFinished):
+            self._learn_prefill(event)
+        if isinstance(event, TokensGenerated | TextGenerated) and event.request_id in self.waiting:
+            self.starts.append(self.clock())
+            self._forget(self.clock())
         if isinstance(
             event, TokensGenerated | TextGenerated | RunFinished | RunCompleted | RunCancelled
         ) or isinstance(event, RequestFailed):
             self.release(event.request_id)
+
+    def _learn_prefill(self, event: RunFinished) -> None:
+        computed = event.usage.prompt_tokens - event.usage.cached_tokens
+        if computed <= 0 or event.prefill_ns <= 0:
+            return
+        rate = computed / (event.prefill_ns / 1e9)
+        weight = 1.0 if self.num_prefill_samples == 0 else RATE_WEIGHT
+        self.prefill_tok_s += weight * (rate - self.prefill_tok_s)
+        self.num_prefill_samples += 1
+
+    def _forget(self, now: float) -> None:
+        while self.starts and self.starts[0] < now - self.config.window_s:
+            self.starts.popleft()

@@ -85,7 +85,7 @@ class EdgeConfig:
             model_aliases=found[settings.EDGE_MODEL_ALIASES],
             max_model_len=found[settings.MAX_MODEL_LEN],
             admission=AdmissionConfig(
-                max_waiting_tokens=found[settings.EDGE_MAX_WAITING_TOKENS],
+                max_wait_s=found[settings.EDGE_MAX_WAIT_S],
                 kv_watermark=found[settings.EDGE_KV_WATERMARK],
             ),
         )
@@ -243,7 +243,8 @@ class Edge:
             raise RequestError("invalid_request", err.message, err.field) from None
         request_id = submit.request_id or new_request_id()
         submit = msgspec.structs.replace(submit, request_id=request_id)
-        self.gate.admit(request_id, reserved_tokens(submit), caller.priority)
+        await self.check_fits(submit)
+        self.gate.admit(request_id, prompt_tokens(submit), caller.priority)
         try:
             return await self._submit(caller, submit, request_hash(request), request_id, tokens)
         except BaseException as err:
@@ -273,6 +274,40 @@ class Edge:
         with contextlib.suppress(Exception):  # a closed connection: nothing more can reach it
             await self.bus.nc.publish(subjects.event_subject(request_id, "cancel"),
                                       encode(event), headers=headers)  # fmt: skip
+
+    async def check_fits(self, submit: Submit) -> None:
+        """A request that can never fit the model's window is a 400 naming the limit, before
+        admission, busy or idle: max_tokens alone, or with the text no truncation drops (a raw
+        prompt, the last message; not under sliding_window). Near the limit the context stage
+        decides, on the real template."""
+        limit = self.max_model_len
+        if submit.max_tokens >= limit:
+            raise RequestError(
+                "context_length",
+                f"max_tokens={submit.max_tokens} leaves no room for a prompt in the model's "
+                f"{limit}-token context window (BRIGADE_MAX_MODEL_LEN); lower max_tokens",
+                "max_tokens",
+            )
+        if submit.truncation == "sliding_window":
+            return
+        field, text = (
+            ("prompt", submit.prompt)
+            if submit.prompt is not None
+            else ("messages", submit.messages[-1].content if submit.messages else "")
+        )
+        if estimate_prompt_tokens([text]) + submit.max_tokens <= limit:
+            return
+        assert self.tokenizer is not None, "call start() first"
+        num_tokens = len(await anyio.to_thread.run_sync(self.tokenizer.encode_text, text))
+        if num_tokens + submit.max_tokens > limit:
+            what = "the prompt" if field == "prompt" else "the last message"
+            raise RequestError(
+                "context_length",
+                f"{what} has {num_tokens} tokens and max_tokens={submit.max_tokens} more: over "
+                f"the model's {limit}-token context window (BRIGADE_MAX_MODEL_LEN), busy or "
+                "idle; send less text or lower max_tokens",
+                field,
+            )
 
     async def _submit(
         self,
@@ -381,6 +416,7 @@ class Edge:
             self.gate.release(watch.request_id)  # no longer followed here: not waiting work
 
 
-def reserved_tokens(submit: Submit) -> int:
+def prompt_tokens(submit: Submit) -> int:
+    """The prompt's tokens before tokenization (an estimate), for admission."""
     texts = [m.content for m in submit.messages or []] + [submit.prompt or "", submit.system or ""]
-    return estimate_prompt_tokens([t for t in texts if t]) + submit.max_tokens
+    return estimate_prompt_tokens([t for t in texts if t])

@@ -52,7 +52,7 @@ async def pipeline(tmp_path_factory):
     env = {settings.TENANTS.name: str(path), settings.LEDGER_DB.name: str(data / "ledger.duckdb")}
     before = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
-    admission = AdmissionConfig(max_waiting_tokens=400)
+    admission = AdmissionConfig(max_wait_s=0.001)  # a run waiting for a first token: 503
     keys = KeyRing(path, (MODEL,))
     try:
         async with running_pipeline(
@@ -367,7 +367,7 @@ async def test_rate_limit_and_overload_answers(pipeline):
         tg.cancel_scope.cancel()  # the first client leaves: its run is cancelled
     assert info.value.status_code == 503
     assert refused[0] < 0.5
-    assert "BRIGADE_EDGE_MAX_WAITING_TOKENS" in info.value.response.json()["error"]["message"]
+    assert "BRIGADE_EDGE_MAX_WAIT_S" in info.value.response.json()["error"]["message"]
 
 
 async def test_disconnect_cancels_the_run(pipeline):

@@ -1,37 +1,114 @@
+"""Admission by estimated time: the runs waiting for a first token, at the start rate measured
+from first tokens (or their prompts at the prefill rate learned from finished runs), plus the
+new request's own prefill, against BRIGADE_EDGE_MAX_WAIT_S; Retry-After is the queue's time."""
+
+from __future__ import annotations
+
 import pytest
 
-from schemas.events import RequestFailed, TokensGenerated
+from schemas.events import RequestFailed, RunFinished, TokensGenerated, Usage
 from stages.edge.admission import AdmissionConfig, AdmissionGate
 from stages.edge.errors import RequestError
 
 
-def test_waiting_tokens_are_bounded_and_released_on_first_token():
-    gate = AdmissionGate(AdmissionConfig(max_waiting_tokens=100))
-    gate.admit("a", 60)
-    with pytest.raises(
-        RequestError,
-        match="60 tokens already wait .* reserves 50; the bound for interactive work is 100",
-    ) as info:
-        gate.admit("b", 50)
-    assert (info.value.code, info.value.status, info.value.retry_after_s) == (
-        "overloaded",
-        503,
-        1.0,
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def finished(rid: str, prompt_tokens: int, prefill_s: float, cached: int = 0) -> RunFinished:
+    return RunFinished(
+        request_id=rid,
+        finish_reason="length",
+        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=4, cached_tokens=cached),
+        prefill_ns=int(prefill_s * 1e9),
     )
-    gate.observe(TokensGenerated(request_id="a", seq=0, token_ids=[1]))
-    assert gate.num_waiting_tokens == 0
-    gate.admit("b", 50)
-    gate.observe(RequestFailed(request_id="b", stage="auth", code="unauthorized", message="x"))
-    assert gate.waiting == {}
 
 
-def test_batch_gets_only_its_share():
-    gate = AdmissionGate(AdmissionConfig(max_waiting_tokens=100, batch_share=0.5))
-    gate.admit("i", 40)
-    with pytest.raises(RequestError, match="bound for batch work is 50"):
-        gate.admit("b", 20, "batch")
-    gate.admit("i2", 60, "interactive")
-    assert gate.num_waiting_tokens == 100
+def first_token(rid: str) -> TokensGenerated:
+    return TokensGenerated(request_id=rid, seq=0, token_ids=[1])
+
+
+def test_a_lone_request_is_admitted_however_long_its_prefill():
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=100))
+    gate.admit("big", 50_000)  # 500 s of prefill, but nothing waits ahead of it
+    assert set(gate.waiting) == {"big"}
+
+
+def test_the_prefill_rate_is_learned_from_finished_runs_without_their_cached_tokens():
+    gate = AdmissionGate(AdmissionConfig(prefill_tok_s=100))
+    gate.observe(finished("a", prompt_tokens=1200, prefill_s=1.0, cached=200))
+    assert gate.prefill_tok_s == pytest.approx(1000.0)  # the first sample replaces the guess
+    gate.observe(finished("b", prompt_tokens=500, prefill_s=1.0))
+    assert gate.prefill_tok_s == pytest.approx(1000.0 + 0.2 * (500.0 - 1000.0))
+    gate.observe(finished("c", prompt_tokens=64, prefill_s=0.0))  # no prefill time: no sample
+    assert gate.num_prefill_samples == 2
+
+
+def test_waiting_prompts_at_the_prefill_rate_bound_the_wait():
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5))
+    gate.observe(finished("done", prompt_tokens=1000, prefill_s=1.0))  # 1000 tok/s
+    gate.admit("a", 300)
+    estimate = gate.estimate(150)
+    assert (estimate.num_ahead, estimate.queue_s, estimate.prefill_s) == (1, 0.3, 0.15)
+    gate.admit("b", 150)  # 0.3 + 0.15 <= 0.5
+    with pytest.raises(RequestError) as info:
+        gate.admit("c", 100)  # 0.45 + 0.1 > 0.5
+    err = info.value
+    assert (err.code, err.status) == ("overloaded", 503)
+    assert err.retry_after_s == pytest.approx(0.45)
+    assert "2 requests wait for a first token (~0.45 s" in err.message
+    assert "bound for interactive work is 0.50 s (BRIGADE_EDGE_MAX_WAIT_S)" in err.message
+    assert set(gate.waiting) == {"a", "b"}  # a refusal holds nothing
+
+
+def test_the_start_rate_bounds_the_wait_and_retry_after_grows_with_the_queue():
+    clock = Clock()
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=1e6), clock=clock)
+    for i in range(11):  # first tokens at 10 per second
+        gate.admit(f"s{i}", 10)
+        gate.observe(first_token(f"s{i}"))
+        clock.now += 0.1
+    clock.now -= 0.1
+    assert gate.start_rate() == pytest.approx(10.0)
+    for i in range(4):
+        gate.admit(f"w{i}", 10)  # 4 ahead -> 0.4 s
+    with pytest.raises(RequestError) as shallow:
+        gate.admit("w4", 10)
+        gate.admit("w5", 10)  # 5 ahead at 10/s: 0.5 s, over the bound with its own prefill
+    assert shallow.value.retry_after_s == pytest.approx(0.5)
+    deep = AdmissionGate(AdmissionConfig(max_wait_s=5.0, prefill_tok_s=1e6), clock=clock)
+    deep.starts, deep.waiting = gate.starts, {}
+    for i in range(50):
+        deep.admit(f"d{i}", 10)
+    with pytest.raises(RequestError) as longer:
+        deep.admit("d50", 10)
+    assert longer.value.retry_after_s == pytest.approx(5.0)  # 50 ahead at 10/s
+
+
+def test_the_start_rate_falls_when_first_tokens_stop_coming():
+    clock = Clock()
+    gate = AdmissionGate(AdmissionConfig(window_s=10.0), clock=clock)
+    for i in range(5):
+        gate.admit(f"s{i}", 10)
+        gate.observe(first_token(f"s{i}"))
+        clock.now += 0.1
+    fast = gate.start_rate()
+    clock.now += 5.0  # a stalled engine: no start for 5 s
+    assert fast is not None and gate.start_rate() < fast / 5
+    clock.now += 20.0  # past the window: nothing measured
+    assert gate.start_rate() is None
+
+
+def test_batch_gets_only_its_share_of_the_wait():
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=1.0, batch_share=0.5, prefill_tok_s=100))
+    gate.admit("i", 40)  # 0.4 s ahead
+    with pytest.raises(RequestError, match="bound for batch work is 0.50 s"):
+        gate.admit("b", 20, "batch")  # 0.4 + 0.2 > 0.5
+    gate.admit("i2", 20, "interactive")  # 0.4 + 0.2 <= 1.0
 
 
 def test_kv_watermark_with_a_queue_refuses():
@@ -47,6 +124,17 @@ def test_kv_watermark_with_a_queue_refuses():
         gate.admit("b", 1)
 
 
+def test_a_wait_ends_at_the_first_token_or_the_runs_end():
+    gate = AdmissionGate(AdmissionConfig())
+    gate.admit("a", 10)
+    gate.admit("b", 10)
+    gate.observe(first_token("a"))
+    gate.observe(RequestFailed(request_id="b", stage="auth", code="unauthorized", message="x"))
+    assert gate.waiting == {} and len(gate.starts) == 1  # a failure is no start
+
+
 def test_config_is_validated():
     with pytest.raises(ValueError, match="kv_watermark=1.5"):
         AdmissionConfig(kv_watermark=1.5)
+    with pytest.raises(ValueError, match="max_wait_s=0"):
+        AdmissionConfig(max_wait_s=0)

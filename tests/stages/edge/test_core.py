@@ -5,7 +5,7 @@ import pytest
 from starlette.requests import Request
 
 from schemas.events import Message, Submit
-from stages.edge.core import EdgeConfig, check_headers, reserved_tokens
+from stages.edge.core import EdgeConfig, check_headers, prompt_tokens
 from stages.edge.errors import RequestError
 
 
@@ -24,11 +24,11 @@ def test_headers_over_the_budget_are_refused_with_the_numbers():
     )
 
 
-def test_a_submit_reserves_its_prompt_estimate_plus_max_tokens():
+def test_admission_counts_a_submits_prompt_estimate():
     chat = Submit(
         messages=[Message(role="user", content="x" * 40), Message(role="assistant", content="y")],
         system="z" * 8,
         max_tokens=100,
     )
-    assert reserved_tokens(chat) == (40 // 4 + 8) + (1 // 4 + 8) + (8 // 4 + 8) + 100
-    assert reserved_tokens(Submit(prompt="p" * 12, max_tokens=5)) == 12 // 4 + 8 + 5
+    assert prompt_tokens(chat) == (40 // 4 + 8) + (1 // 4 + 8) + (8 // 4 + 8)
+    assert prompt_tokens(Submit(prompt="p" * 12, max_tokens=5)) == 12 // 4 + 8
