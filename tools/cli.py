@@ -20,6 +20,7 @@ COMMANDS = [
     "tools.log.trace",
     "tools.log.replay",
     "tools.keys",
+    "tools.docs",
     "tools.usage",
     "tools.config",
 ]
@@ -34,6 +35,7 @@ BENCH = [
     "tools.bench.hops",
     "tools.bench.quality",
     "tools.bench.peer",
+    "tools.bench.rag",
     "tools.bench.serve",
 ]
 

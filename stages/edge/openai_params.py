@@ -236,6 +236,14 @@ PARAMS: tuple[Param, ...] = (
         "guided_grammar",
         "a Lark or GBNF grammar the output follows; at most one structured-output field",
     ),
+    # Brigade's extension (`extra_body`)
+    _honoured(
+        "retrieval",
+        "{collections: [1..8 of the tenant's collection names], top_k: 1..64 (5), "
+        "over_retrieve: 1..16, rerank: true, query}: chunks of the tenant's collections, "
+        "searched, reranked and packed into the prompt as quoted data",
+        (CHAT,),
+    ),
 )
 BY_ENDPOINT: dict[str, dict[str, Param]] = {
     e: {p.name: p for p in PARAMS if e in p.endpoints} for e in BOTH

@@ -16,7 +16,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from schemas.bounded import JsonBoundsError, decode_bounded
-from schemas.events import MAX_LOGIT_BIAS, RunCancelled, RunCompleted, Submit, Usage
+from schemas.events import MAX_LOGIT_BIAS, Retrieval, RunCancelled, RunCompleted, Submit, Usage
 from stages.edge.errors import RequestError
 from stages.edge.openai_params import CHAT, COMPLETIONS, check_params
 from stages.edge.tool_calls import (
@@ -109,6 +109,7 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_f
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None  # ignored
+    retrieval: Retrieval | None = None  # Brigade's extension: the tenant's collections to search
 
     @property
     def tool_mode(self) -> ToolChoice:
@@ -377,6 +378,8 @@ def to_submit(req: OpenAIRequest, **extra: Any) -> Submit:
     fields: dict[str, Any] = {"model": req.model, **extra}
     if isinstance(req, ChatCompletionRequest):
         fields["messages"] = wire_messages(req)
+        if req.retrieval is not None:
+            fields["retrieval"] = req.retrieval
         max_tokens = req.max_completion_tokens or req.max_tokens
         parallel = req.parallel_tool_calls is not False  # OpenAI's default: true
         if (lark := tool_grammar(req.tools or [], req.tool_mode, parallel)) is not None:

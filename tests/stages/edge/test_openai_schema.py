@@ -196,6 +196,16 @@ BAD: dict[str, list] = {
     "guided_regex": ["", 1, ["a"]],
     "guided_choice": [[], "x", [""], [1]],
     "guided_grammar": ["", 1, {}],
+    "retrieval": [
+        "x",
+        {},
+        {"collections": []},
+        {"collections": ["a b"]},
+        {"collections": ["docs"], "top_k": 0},
+        {"collections": ["docs"], "over_retrieve": 17},
+        {"collections": ["docs"], "bogus": 1},
+        {"collections": ["x"] * 9},
+    ],
 }
 GENERIC = [None, True, False, 0, -1, 1, 1.5, 10**20, "", "x", [], [1], ["x"], {}, {"a": 1}]
 

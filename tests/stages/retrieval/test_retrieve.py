@@ -78,3 +78,25 @@ async def test_another_tenant_cannot_retrieve_the_collection(state) -> None:
         await context.handle(authorized("intruder", top_k=1, rerank=False), state)
     assert str(err.value) == "no collection named 'island'"
     assert err.value.field == "retrieval.collections"
+
+
+def test_the_chat_api_carries_retrieval_into_the_submit() -> None:
+    from stages.edge.openai_schema import ChatCompletionRequest, decode_body, to_submits
+
+    body = (
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}],'
+        b' "retrieval": {"collections": ["island"], "top_k": 3, "rerank": false}}'
+    )
+    (submit,) = to_submits(decode_body(body, ChatCompletionRequest), model="m")
+    assert submit.retrieval == Retrieval(collections=["island"], top_k=3, rerank=False)
+
+
+def test_the_websocket_carries_retrieval_into_the_submit() -> None:
+    from stages.edge.realtime import ResponseCreate, submit_of
+
+    response = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "retrieval": {"collections": ["island"], "top_k": 2},
+    }
+    submit = submit_of(ResponseCreate(response=response), request_id="r1")
+    assert submit.retrieval == Retrieval(collections=["island"], top_k=2)
