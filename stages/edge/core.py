@@ -231,10 +231,16 @@ class Edge:
         self.gate.observe(event)
 
     async def open_run(
-        self, caller: Caller, submit: Submit, tokens: TokenEvents | None = None
+        self,
+        caller: Caller,
+        submit: Submit,
+        tokens: TokenEvents | None = None,
+        admit: bool = True,
     ) -> RunWatch:
         """Subscribe, then submit; with an idempotency key possibly re-attach to its first run.
-        `tokens`, when given, receives the run's `tokens` events (for logprobs)."""
+        `tokens`, when given, receives the run's `tokens` events (for logprobs). `admit=False`:
+        a later run of a request already admitted (a completions request's further prompts),
+        which must not be refused for waiting behind its own first run."""
         model = self.served_model(caller, submit.model)
         submit = msgspec.structs.replace(submit, model=model)
         try:  # the gateway's own checks, here for a fast 400 and the idempotency digest
@@ -244,7 +250,8 @@ class Edge:
         request_id = submit.request_id or new_request_id()
         submit = msgspec.structs.replace(submit, request_id=request_id)
         await self.check_fits(submit)
-        self.gate.admit(request_id, prompt_tokens(submit), caller.priority)
+        if admit:
+            self.gate.admit(request_id, prompt_tokens(submit), caller.priority)
         try:
             return await self._submit(caller, submit, request_hash(request), request_id, tokens)
         except BaseException as err:
@@ -419,4 +426,4 @@ class Edge:
 def prompt_tokens(submit: Submit) -> int:
     """The prompt's tokens before tokenization (an estimate), for admission."""
     texts = [m.content for m in submit.messages or []] + [submit.prompt or "", submit.system or ""]
-    return estimate_prompt_tokens([t for t in texts if t])
+    return estimate_prompt_tokens([t for t in texts if t]) + len(submit.prompt_token_ids or ())

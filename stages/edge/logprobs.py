@@ -6,7 +6,8 @@ its watch sees them (the same subscription; a missed one is read back from the l
 Chat: `{"content": [{token, logprob, bytes, top_logprobs: [...]}]}`; completions (legacy):
 `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`. The sampled special
 tokens (the end of sequence) are left out, as they are from the text; tokens after a stop string
-ended the text are left out too.
+ended the text are left out too. With echo (completions), the prompt's tokens come first: the
+first with a null logprob and no alternatives, each later one with its logprob and top-n.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from nats.js.errors import NotFoundError
 
 from engine.tokenizer import Tokenizer
 from schemas import subjects
-from schemas.events import AnyEvent, RunFinished, TokensGenerated, decode_event
+from schemas.events import AnyEvent, RunFinished, TokenLogprob, TokensGenerated, decode_event
 
 
 @functools.cache
@@ -156,19 +157,53 @@ class Logprobs:
                     }
                 )
             else:
-                legacy["tokens"].append(token)
-                legacy["token_logprobs"].append(sampled.logprob)
-                alternatives = {self.text(t.token_id)[0]: t.logprob for t in top}
-                alternatives.setdefault(token, sampled.logprob)
-                legacy["top_logprobs"].append(alternatives)
-                legacy["text_offset"].append(self._offset)
-                self._offset += len(self._utf8.decode(bytes(raw)))
+                self._legacy_token(legacy, token_id, sampled.logprob, top)
         if self.chat:
             self.content.extend(part)
             return {"content": part, "refusal": None} if part else None
         for key, values in legacy.items():
             self.legacy[key].extend(values)
         return legacy if legacy["tokens"] else None
+
+    def add_prompt(
+        self, prompt_token_ids: list[int], ranked: list[list[TokenLogprob]]
+    ) -> dict[str, list[Any]]:
+        """The prompt's part (echo, completions only): `ranked[i]` is prompt token i + 1's
+        (that token first, then the top-n); the first token has a null logprob."""
+        assert not self.chat, "echo is the completions API's"
+        ids = [e[0].token_id for e in ranked]
+        if ids != prompt_token_ids[1:]:
+            raise RuntimeError(
+                f"the prompt logprobs are of tokens {ids[:5]}..., not the prompt's "
+                f"{prompt_token_ids[1:6]}..."
+            )
+        legacy: dict[str, list[Any]] = {k: [] for k in self.legacy}
+        self._legacy_token(legacy, prompt_token_ids[0], None, None)
+        for entry in ranked:
+            self._legacy_token(
+                legacy, entry[0].token_id, entry[0].logprob, entry[1 : 1 + self.num_top]
+            )
+        for key, values in legacy.items():
+            self.legacy[key].extend(values)
+        return legacy
+
+    def _legacy_token(
+        self,
+        legacy: dict[str, list[Any]],
+        token_id: int,
+        logprob: float | None,
+        top: list[TokenLogprob] | None,
+    ) -> None:
+        token, raw = self.text(token_id)
+        legacy["tokens"].append(token)
+        legacy["token_logprobs"].append(logprob)
+        alternatives = None
+        if top is not None and logprob is not None:
+            alternatives = {self.text(t.token_id)[0]: t.logprob for t in top}
+            alternatives.setdefault(token, logprob)
+        legacy["top_logprobs"].append(alternatives)
+        legacy["text_offset"].append(self._offset)
+        self._offset += len(self._utf8.decode(bytes(raw)))
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token, raw = self.text(token_id)

@@ -91,7 +91,12 @@ PARAMS: tuple[Param, ...] = (
         "tool_call_id); text content (a string or text parts)",
         (CHAT,),
     ),  # fmt: skip
-    _honoured("prompt", "one string (or a list of one string)", (COMPLETIONS,)),
+    _honoured(
+        "prompt",
+        "a string, a list of strings, a list of token ids or a list of id lists (up to 128 "
+        "prompts, each its own run; choice i answers prompt i)",
+        (COMPLETIONS,),
+    ),
     _honoured("max_tokens", "1..8192; completions default 16, chat default 256"),
     _honoured("max_completion_tokens", "1..8192; wins over max_tokens", (CHAT,)),
     _honoured("temperature", "0..2; 0 is greedy"),
@@ -108,9 +113,12 @@ PARAMS: tuple[Param, ...] = (
     _refused(
         "best_of", f"several candidates per request are {NOT_YET}", _null_or(1), "1", (COMPLETIONS,)
     ),  # fmt: skip
-    _refused(
-        "echo", f"echo needs prompt logprobs, {NOT_YET}", _null_or(False), "false", (COMPLETIONS,)
-    ),  # fmt: skip
+    _honoured(
+        "echo",
+        "true: the prompt before the completion; with logprobs, the prompt's tokens first (the "
+        "first with a null logprob), as lm-evaluation-harness's loglikelihood reads them",
+        (COMPLETIONS,),
+    ),
     _refused(
         "suffix",
         "fill-in-the-middle is not supported by the served model",
@@ -218,7 +226,11 @@ PARAMS: tuple[Param, ...] = (
     _refused(
         "chat_template_kwargs", "the served model's own template is always used", endpoints=(CHAT,)
     ),  # fmt: skip
-    _refused("prompt_logprobs", f"prompt logprobs are {NOT_YET}"),
+    _refused(
+        "prompt_logprobs",
+        "vLLM's shape of prompt logprobs is not served; /v1/completions with echo and logprobs "
+        "gives them in OpenAI's",
+    ),
     _refused("use_beam_search", f"beam search is {NOT_YET}", _null_or(False), "false"),
     _honoured(
         "guided_json",

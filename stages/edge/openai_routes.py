@@ -1,8 +1,10 @@
 """The edge's OpenAI-compatible routes: POST /v1/chat/completions and /v1/completions, streamed
-as SSE ending in `data: [DONE]` or answered whole. A streamed request waits for its first delta
-before answering, so a refusal (401/403/429/503) still gets its HTTP status. A RequestError (or
-any other exception) raised before the answer starts becomes its OpenAI error in app.py's
-middleware; the run's id is the HTTP request's id (X-Request-Id).
+as SSE ending in `data: [DONE]` or answered whole. A request has one run per choice (a
+completions request one per prompt, choice i answering prompt i). A streamed request waits for
+each run's first delta before answering, so a refusal (401/403/429/503) still gets its HTTP
+status. A RequestError (or any other exception) raised before the answer starts becomes its
+OpenAI error in app.py's middleware; the runs' ids come from the HTTP request's id (X-Request-Id:
+the run's id, or with several prompts `<id>-<i>` for prompt i).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import nats.errors
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from schemas.events import RequestFailed, RunCancelled, RunCompleted, TextGenerated
+from schemas.events import RequestFailed, RunCancelled, RunCompleted, Submit, TextGenerated
 from stages.edge.core import Edge
 from stages.edge.errors import (
     RequestError,
@@ -29,17 +31,21 @@ from stages.edge.errors import (
 )
 from stages.edge.keys import Caller
 from stages.edge.logprobs import Logprobs, TokenEvents, TokenText
+from stages.edge.openai_bodies import (
+    Choice,
+    chat_chunk,
+    completion_chunk,
+    full_response,
+    total_usage,
+    usage_chunk,
+)
 from stages.edge.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIRequest,
-    chat_chunk,
-    completion_chunk,
     decode_body,
     finish_reason,
-    full_response,
-    to_submit,
-    usage_chunk,
+    to_submits,
 )
 from stages.edge.runwatch import RunWatch
 from stages.edge.tool_calls import ToolCallStream, parse
@@ -71,6 +77,41 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class _Run:
+    """One run being answered as choice `index`: its watch, its shape, its logprobs when asked,
+    and with echo the prompt that goes before its text."""
+
+    def __init__(
+        self, index: int, watch: RunWatch, body: OpenAIRequest, tokens: TokenEvents | None
+    ) -> None:
+        self.index, self.watch, self.tokens = index, watch, tokens
+        self.chat = isinstance(body, ChatCompletionRequest)
+        self.logprobs: Logprobs | None = None
+        self.tools = isinstance(body, ChatCompletionRequest) and body.calls_tools
+        self.echo: str | None = None  # with echo: the prompt's text, sent before the first delta
+        self.prompt_token_ids: list[int] = []  # with echo and logprobs
+
+    async def logprobs_of(self, delta: TextGenerated) -> dict[str, Any] | None:
+        """The logprobs of the tokens behind this text delta (None when not asked or none),
+        after the prompt's with echo."""
+        if self.logprobs is None or self.tokens is None:
+            return None
+        event = await self.tokens.take(delta.seq)
+        prompt = None
+        if event is not None and event.prompt_logprobs is not None and self.echo is not None:
+            prompt = self.logprobs.add_prompt(self.prompt_token_ids, event.prompt_logprobs)
+        part = self.logprobs.add(event)
+        if delta.stopped:
+            self.logprobs.stopped = True
+        if prompt is None:
+            return part
+        return {k: v + (part[k] if part else []) for k, v in prompt.items()}
+
+    def take_echo(self) -> str:
+        text, self.echo = self.echo or "", None if self.echo is None else ""
+        return text
+
+
 class OpenAIRoutes:
     """POST /v1/chat/completions and /v1/completions, streamed (SSE) or not."""
 
@@ -92,26 +133,45 @@ class OpenAIRoutes:
         extra: dict[str, Any] = {"request_id": rid, "model": model}
         if key := request.headers.get("idempotency-key"):
             extra["idempotency_key"] = key
-        submit = to_submit(body, **extra)
-        tokens = TokenEvents(edge.bus.js, rid) if body.num_logprobs is not None else None
-        watch = await edge.open_run(caller, submit, tokens)
-        run = _Run(watch, kind is ChatCompletionRequest, model, tokens, self._logprobs(body))
-        run.tools = isinstance(body, ChatCompletionRequest) and body.calls_tools
+        runs: list[_Run] = []
+        try:
+            for i, submit in enumerate(to_submits(body, **extra)):
+                tokens = TokenEvents(edge.bus.js, submit.request_id or rid)
+                watch = await edge.open_run(
+                    caller, submit, tokens if body.num_logprobs is not None else None, i == 0
+                )
+                runs.append(self._run(i, watch, body, submit, tokens))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for run in runs:
+                    await edge.cancel(caller, run.watch.request_id)
+                    await run.watch.close()
+            raise
+        if len(runs) == 1:  # its run's id: a re-attached key's run is not this request's
+            rid = runs[0].watch.request_id
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await self._stream(caller, run, include_usage)
-        return await self._whole(request, caller, run)
+            return await self._stream(caller, rid, model, runs, include_usage)
+        return await self._whole(request, caller, rid, model, runs)
 
-    def _logprobs(self, body: OpenAIRequest) -> Logprobs | None:
-        if body.num_logprobs is None:
-            return None
-        assert self.edge.tokenizer is not None, "the edge was not started"
-        chat = isinstance(body, ChatCompletionRequest)
-        return Logprobs(TokenText(self.edge.tokenizer), chat=chat, num_top=body.num_logprobs)
+    def _run(
+        self, index: int, watch: RunWatch, body: OpenAIRequest, submit: Submit, tokens: TokenEvents
+    ) -> _Run:
+        tok = self.edge.tokenizer
+        assert tok is not None, "the edge was not started"
+        run = _Run(index, watch, body, tokens if body.num_logprobs is not None else None)
+        if body.num_logprobs is not None:
+            run.logprobs = Logprobs(TokenText(tok), chat=run.chat, num_top=body.num_logprobs)
+        if isinstance(body, CompletionRequest) and body.echo:
+            ids = submit.prompt_token_ids or tok.encode(submit.prompt or "")
+            run.echo = submit.prompt if submit.prompt is not None else tok.decode(ids, False)
+            run.prompt_token_ids = list(ids)
+        return run
 
-    async def _whole(self, request: Request, caller: Caller, run: _Run) -> Response:
-        watch = run.watch
-        texts: list[str] = []
+    async def _whole(
+        self, request: Request, caller: Caller, rid: str, model: str, runs: list[_Run]
+    ) -> Response:
+        texts: list[list[str]] = [[] for _ in runs]
         timeout: RequestError | None = None
         async with anyio.create_task_group() as tg:
 
@@ -120,58 +180,146 @@ class OpenAIRoutes:
                     pass
                 tg.cancel_scope.cancel()
 
+            async def collect(run: _Run) -> None:
+                nonlocal timeout
+                try:
+                    async for delta in self.edge.deltas(run.watch):
+                        texts[run.index].append(delta.text)
+                        await run.logprobs_of(delta)
+                except TimeoutError as err:
+                    timeout = RequestError("timeout", str(err))
+
             tg.start_soon(on_disconnect)
             try:
-                async for delta in self.edge.deltas(watch):
-                    texts.append(delta.text)
-                    await run.logprobs_of(delta)
-            except TimeoutError as err:
-                timeout = RequestError("timeout", str(err))
+                async with anyio.create_task_group() as collectors:
+                    for run in runs:
+                        collectors.start_soon(collect, run)
             finally:
                 tg.cancel_scope.cancel()
-                if timeout is not None:
-                    await self.edge.cancel(caller, watch.request_id, "timeout")
-                else:
-                    await self.edge.left(caller, watch)
+                for run in runs:
+                    if timeout is not None:
+                        await self.edge.cancel(caller, run.watch.request_id, "timeout")
+                    else:
+                        await self.edge.left(caller, run.watch)
                 with anyio.CancelScope(shield=True):
-                    await watch.close()
-        rid = watch.request_id
+                    for run in runs:
+                        await run.watch.close()
         if timeout is not None:
             response = error_response(timeout, rid)
             response.headers[RUN_STATE_HEADER] = "cancelled"  # it will not run or bill further
             return response
-        term = watch.terminal
-        if term is None:
+        terms = [run.watch.terminal for run in runs]
+        if any(term is None for term in terms):
             return Response(status_code=499)  # the client left; nobody reads this
-        if isinstance(term, RequestFailed):
-            return error_response(failure_error(term), rid)
+        for term in terms:
+            if isinstance(term, RequestFailed):
+                return error_response(failure_error(term), rid)
+        choices = [self._choice(run, "".join(texts[run.index])) for run in runs]
+        body = full_response(runs[0].chat, rid, _created(terms[0]), model, choices,
+                             total_usage([t.usage for t in terms]))  # fmt: skip
+        states = {_state(t) for t in terms}
+        state = "cancelled" if "cancelled" in states else "completed"
+        return JSONResponse(body, headers={"X-Request-Id": rid, RUN_STATE_HEADER: state})
+
+    def _choice(self, run: _Run, text: str) -> Choice:
+        term = run.watch.terminal
+        assert isinstance(term, RunCompleted | RunCancelled), "a choice of an ended run"
         logprobs = run.logprobs.whole() if run.logprobs is not None else None
-        text: str | None = "".join(texts)
-        reason, calls = finish_reason(term), None
+        reason, content, calls = finish_reason(term), text, None
         if run.tools:
-            text, calls = parse(rid, text)
+            content, calls = parse(run.watch.request_id, text)
             reason = "tool_calls" if calls and reason == "stop" else reason
-        body = full_response(run.chat, rid, _created(term), run.model, text, reason,
-                             term.usage, logprobs, calls)  # fmt: skip
-        headers = {"X-Request-Id": rid, RUN_STATE_HEADER: _state(term)}
-        return JSONResponse(body, headers=headers)
+        elif run.echo is not None:
+            content = run.echo + text
+        return Choice(index=run.index, text=content, finish_reason=reason, logprobs=logprobs,
+                      tool_calls=calls)  # fmt: skip
+
+    async def _stream(
+        self, caller: Caller, rid: str, model: str, runs: list[_Run], include_usage: bool
+    ) -> Response:
+        firsts: list[TextGenerated | None] = []
+        deltas = [self.edge.deltas(run.watch) for run in runs]
+
+        async def close_all() -> None:
+            with anyio.CancelScope(shield=True):
+                for run, stream in zip(runs, deltas, strict=True):
+                    await self.edge.left(caller, run.watch)
+                    await stream.aclose()
+                    await run.watch.close()
+
+        try:
+            for stream in deltas:
+                firsts.append(await anext(stream, None))
+        except TimeoutError as err:
+            with anyio.CancelScope(shield=True):
+                for stream in deltas:
+                    await stream.aclose()
+            return await self._first_token_timed_out(caller, rid, runs, err)
+        except BaseException:
+            await close_all()
+            raise
+        for run, first in zip(runs, firsts, strict=True):
+            if first is None and isinstance(run.watch.terminal, RequestFailed):
+                await close_all()
+                return error_response(failure_error(run.watch.terminal), rid)
+        created = int(time.time())
+        chat = runs[0].chat
+        send, receive = anyio.create_memory_object_stream[bytes](max_buffer_size=64)
+        errors: list[Exception] = []  # a run's bus error ends the whole answer
+
+        async def follow(run: _Run, first: TextGenerated | None, stream, out) -> None:
+            async with out:
+                try:
+                    async for piece in self._pieces(run, first, stream, rid, created, model):
+                        await out.send(piece)
+                except (TimeoutError, nats.errors.Error) as err:
+                    errors.append(err)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async with anyio.create_task_group() as tg:
+                    for run, first, stream in zip(runs, firsts, deltas, strict=True):
+                        tg.start_soon(follow, run, first, stream, send.clone())
+                    send.close()
+                    async for piece in receive:
+                        yield piece
+                if errors:
+                    raise errors[0]
+                terms = [r.watch.terminal for r in runs]
+                failed = [t for t in terms if isinstance(t, RequestFailed)]
+                if failed:
+                    yield sse(error_body(failure_error(failed[0])))
+                elif include_usage and all(t is not None for t in terms):
+                    usage = total_usage([t.usage for t in terms if t is not None])
+                    yield sse(usage_chunk(chat, rid, created, model, usage))
+                yield b"data: [DONE]\n\n"
+            except TimeoutError as err:
+                yield sse(error_body(bus_error(err) or RequestError("timeout", str(err))))
+            except nats.errors.Error as err:
+                yield sse(error_body(bus_error(err) or as_request_error(err)))
+            finally:
+                await close_all()
+
+        headers = {"X-Request-Id": rid, "Cache-Control": "no-cache"}
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     async def _first_token_timed_out(
-        self, caller: Caller, watch: RunWatch, err: TimeoutError
+        self, caller: Caller, rid: str, runs: list[_Run], err: TimeoutError
     ) -> Response:
         """No event within the edge's idle timeout before the stream's first token. The 504
-        says what happens next: a run with an idempotency key is resumable (it keeps running
+        says what happens next: runs with an idempotency key are resumable (they keep running
         for the reconnect grace; a retry with the key or GET /v1/runs/{id}/stream re-attaches,
-        else it is cancelled then), any other run is cancelled now, so it never runs or bills
-        after its client was told it timed out."""
-        rid = watch.request_id
+        else they are cancelled then), any other run is cancelled now, so it never runs or
+        bills after its client was told it timed out."""
         grace = self.edge.config.reconnect_grace_s
-        resumable = watch.idempotency_key is not None and grace > 0
+        resumable = all(r.watch.idempotency_key is not None for r in runs) and grace > 0
         with anyio.CancelScope(shield=True):
-            await self.edge.left(caller, watch, "timeout")  # now, or after the grace if keyed
-            await watch.close()
+            for run in runs:
+                await self.edge.left(caller, run.watch, "timeout")  # now, or after the grace
+                await run.watch.close()
+        ids = ", ".join(r.watch.request_id for r in runs)
         if resumable:
-            message = (f"{err}; the run is still running: resume it with GET /v1/runs/{rid}"
+            message = (f"{err}; the run is still running: resume it with GET /v1/runs/{ids}"
                        f"/stream or retry with the same idempotency key within {grace:g} s")  # fmt: skip
         else:
             message = f"{err}; the run was cancelled and will not run or be billed further"
@@ -179,108 +327,62 @@ class OpenAIRoutes:
         response.headers[RUN_STATE_HEADER] = "running" if resumable else "cancelled"
         return response
 
-    async def _stream(self, caller: Caller, run: _Run, include_usage: bool) -> Response:
-        watch = run.watch
-        deltas = self.edge.deltas(watch)
-        rid, model, chat = watch.request_id, run.model, run.chat
-        try:
-            first = await anext(deltas, None)
-        except TimeoutError as err:
-            return await self._first_token_timed_out(caller, watch, err)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await watch.close()
-            raise
-        if first is None and isinstance(watch.terminal, RequestFailed):
-            await watch.close()
-            return error_response(failure_error(watch.terminal), rid)
-        created = int(time.time())
+    async def _pieces(
+        self,
+        run: _Run,
+        first: TextGenerated | None,
+        stream: AsyncIterator[TextGenerated],
+        rid: str,
+        created: int,
+        model: str,
+    ) -> AsyncIterator[bytes]:
+        """One run's chunks, in order: the role (chat), its deltas, then its finish reason."""
+        index, calls = run.index, ToolCallStream(run.watch.request_id) if run.tools else None
 
         def chunk(text: str, reason: str | None, logprobs: dict[str, Any] | None) -> bytes:
-            if chat:
+            if run.chat:
                 delta = {"content": text} if text or reason is None else {}
-                return sse(chat_chunk(rid, created, model, delta, reason, logprobs))
-            return sse(completion_chunk(rid, created, model, text, reason, logprobs))
-
-        calls = ToolCallStream(rid) if run.tools else None
+                return sse(chat_chunk(rid, created, model, delta, reason, logprobs, index))
+            return sse(completion_chunk(rid, created, model, text, reason, logprobs, index))
 
         async def pieces(delta: TextGenerated) -> AsyncIterator[bytes]:
             logprobs = await run.logprobs_of(delta)
             if calls is None:
-                if delta.text or logprobs is not None:
-                    yield chunk(delta.text, None, logprobs)
+                text = run.take_echo() + delta.text
+                if text or logprobs is not None:
+                    yield chunk(text, None, logprobs)
                 return
             parts = calls.feed(delta.text) or ([{}] if logprobs is not None else [])
             for i, part in enumerate(parts):
-                yield sse(chat_chunk(rid, created, model, part, None, logprobs if i == 0 else None))
+                lp = logprobs if i == 0 else None
+                yield sse(chat_chunk(rid, created, model, part, None, lp, index))
 
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                if chat:
-                    yield sse(
-                        chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None)
-                    )
-                if first is not None:
-                    async for piece in pieces(first):
-                        yield piece
-                async for delta in deltas:
-                    async for piece in pieces(delta):
-                        yield piece
-                term = watch.terminal
-                if isinstance(term, RequestFailed):
-                    yield sse(error_body(failure_error(term)))
-                elif term is not None:
-                    reason = finish_reason(term)
-                    if calls is not None:
-                        for part in calls.end():
-                            yield sse(chat_chunk(rid, created, model, part, None))
-                        reason = "tool_calls" if calls.num_complete and reason == "stop" else reason
-                    yield chunk("", reason, None)
-                    if include_usage:
-                        yield sse(usage_chunk(chat, rid, created, model, term.usage))
-                yield b"data: [DONE]\n\n"
-            except TimeoutError as err:
-                yield sse(error_body(bus_error(err) or RequestError("timeout", str(err))))
-            except nats.errors.Error as err:
-                yield sse(error_body(bus_error(err) or as_request_error(err)))
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self.edge.left(caller, watch)
-                    await deltas.aclose()
-                    await watch.close()
-
-        headers = {"X-Request-Id": rid, "Cache-Control": "no-cache"}
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        if run.chat:
+            role = {"role": "assistant", "content": ""}
+            yield sse(chat_chunk(rid, created, model, role, None, None, index))
+        if first is not None:
+            async for piece in pieces(first):
+                yield piece
+        async for delta in stream:
+            async for piece in pieces(delta):
+                yield piece
+        term = run.watch.terminal
+        if term is None or isinstance(term, RequestFailed):
+            return
+        reason = finish_reason(term)
+        if calls is not None:
+            for part in calls.end():
+                yield sse(chat_chunk(rid, created, model, part, None, None, index))
+            reason = "tool_calls" if calls.num_complete and reason == "stop" else reason
+        if echo := run.take_echo():  # a run that ended before any delta
+            yield chunk(echo, None, None)
+        yield chunk("", reason, None)
 
 
-class _Run:
-    """One run being answered: its watch, its shape, and its logprobs when asked."""
-
-    def __init__(
-        self,
-        watch: RunWatch,
-        chat: bool,
-        model: str,
-        tokens: TokenEvents | None,
-        logprobs: Logprobs | None,
-    ) -> None:
-        self.watch, self.chat, self.model = watch, chat, model
-        self.tokens, self.logprobs = tokens, logprobs
-        self.tools = False  # the output may hold tool calls (tool_calls.py parses them)
-
-    async def logprobs_of(self, delta: TextGenerated) -> dict[str, Any] | None:
-        """The logprobs of the tokens behind this text delta (None when not asked or none)."""
-        if self.logprobs is None or self.tokens is None:
-            return None
-        part = self.logprobs.add(await self.tokens.take(delta.seq))
-        if delta.stopped:
-            self.logprobs.stopped = True
-        return part
-
-
-def _state(term: RunCompleted | RunCancelled) -> str:
+def _state(term: RunCompleted | RunCancelled | RequestFailed | None) -> str:
     return "completed" if isinstance(term, RunCompleted) else "cancelled"
 
 
-def _created(term: RunCompleted | RunCancelled) -> int:
-    return int((term.ts_ns or time.time_ns()) // 1_000_000_000)
+def _created(term: RunCompleted | RunCancelled | RequestFailed | None) -> int:
+    ts = term.ts_ns if term is not None else 0
+    return int((ts or time.time_ns()) // 1_000_000_000)

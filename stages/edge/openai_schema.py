@@ -16,7 +16,15 @@ import msgspec
 from msgspec import Meta, Struct
 
 from schemas.bounded import JsonBoundsError, decode_bounded
-from schemas.events import MAX_LOGIT_BIAS, Retrieval, RunCancelled, RunCompleted, Submit, Usage
+from schemas.events import (
+    MAX_LOGIT_BIAS,
+    VOCAB_CEILING,
+    Retrieval,
+    RunCancelled,
+    RunCompleted,
+    Submit,
+    Usage,
+)
 from stages.edge.errors import RequestError
 from stages.edge.openai_params import CHAT, COMPLETIONS, check_params
 from stages.edge.tool_calls import (
@@ -53,7 +61,6 @@ Penalty = _WIRE["presence_penalty"]
 LogitBias = Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)]
 ChatTopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 CompletionLogprobs = Annotated[int, Meta(ge=0, le=5)]  # OpenAI's legacy bound
-FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")  # what the SDK accepts
 
 
 class TextPart(Struct, frozen=True, forbid_unknown_fields=True):
@@ -129,8 +136,9 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_f
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    prompt: str | list[str]
+    prompt: str | list[Any]  # a string, or a list of strings, of token ids or of id lists
     logprobs: CompletionLogprobs | None = None
+    echo: bool | None = None  # the prompt before the completion (with logprobs: its tokens')
 
     @property
     def num_logprobs(self) -> int | None:
@@ -287,13 +295,59 @@ def _check_together(req: OpenAIRequest) -> None:
                 '(set tool_choice: "none", or drop the structured-output field)',
                 "tool_choice",
             )
-    elif not isinstance(req.prompt, str) and len(req.prompt) != 1:
+    else:
+        prompts_of(req)
+
+
+MAX_PROMPTS = 128  # prompts of one completions request, each its own run and choice
+Prompt = str | list[int]  # text, or the served model's token ids
+
+
+def prompts_of(req: CompletionRequest) -> list[Prompt]:
+    """The request's prompts in order (a 400 naming `prompt[i]` for a malformed one): a string,
+    a list of strings, a list of token ids (one prompt) or a list of id lists."""
+    raw = req.prompt
+    if isinstance(raw, str):
+        return [raw]
+    if not raw:
+        raise RequestError("invalid_request", "prompt is an empty list", "prompt")
+    if all(_is_id(t) for t in raw):
+        return [_ids(raw, "prompt")]
+    prompts: list[Prompt] = []
+    for i, p in enumerate(raw):
+        if isinstance(p, str):
+            prompts.append(p)
+        elif isinstance(p, list) and p:
+            prompts.append(_ids(p, f"prompt[{i}]"))
+        else:
+            raise RequestError(
+                "invalid_request",
+                f"prompt[{i}] must be a string or a non-empty list of token ids, got "
+                f"{type(p).__name__}" + (" (empty)" if p == [] else ""),
+                f"prompt[{i}]",
+            )
+    if len(prompts) > MAX_PROMPTS:
         raise RequestError(
             "invalid_request",
-            f"prompt must be one string, got a list of {len(req.prompt)}; several prompts per "
-            "request are not supported yet",
+            f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request",
             "prompt",
         )
+    return prompts
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ids(values: list[Any], field: str) -> list[int]:
+    for j, t in enumerate(values):
+        if not _is_id(t) or not 0 <= t < VOCAB_CEILING:
+            raise RequestError(
+                "invalid_request",
+                f"{field}[{j}]={t!r} is not a token id (an integer in [0, {VOCAB_CEILING}))",
+                f"{field}[{j}]",
+            )
+    return list(values)
 
 
 def _check_message(i: int, m: ChatMessage) -> None:
@@ -373,8 +427,28 @@ _SAMPLING = (
 )
 
 
-def to_submit(req: OpenAIRequest, **extra: Any) -> Submit:
-    """The wire submit; `extra` carries model, request_id, api_key, idempotency_key."""
+def to_submits(req: OpenAIRequest, **extra: Any) -> list[Submit]:
+    """One submit per choice: a chat request's one, a completions request's one per prompt
+    (several: run i gets request id `<id>-<i>` and idempotency key `<key>#<i>`)."""
+    if isinstance(req, ChatCompletionRequest):
+        return [to_submit(req, **extra)]
+    prompts = prompts_of(req)
+    if len(prompts) == 1:
+        return [to_submit(req, prompt=prompts[0], **extra)]
+    submits = []
+    for i, prompt in enumerate(prompts):
+        more = dict(extra)
+        if more.get("request_id"):
+            more["request_id"] = f"{more['request_id']}-{i}"
+        if more.get("idempotency_key"):
+            more["idempotency_key"] = f"{more['idempotency_key']}#{i}"
+        submits.append(to_submit(req, prompt=prompt, **more))
+    return submits
+
+
+def to_submit(req: OpenAIRequest, prompt: Prompt | None = None, **extra: Any) -> Submit:
+    """The wire submit of one choice (`prompt`: the completions prompt it answers, the first
+    when not given); `extra` carries model, request_id, api_key, idempotency_key."""
     fields: dict[str, Any] = {"model": req.model, **extra}
     if isinstance(req, ChatCompletionRequest):
         fields["messages"] = wire_messages(req)
@@ -385,8 +459,11 @@ def to_submit(req: OpenAIRequest, **extra: Any) -> Submit:
         if (lark := tool_grammar(req.tools or [], req.tool_mode, parallel)) is not None:
             fields["guided_grammar"] = lark
     else:
-        fields["prompt"] = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+        prompt = prompts_of(req)[0] if prompt is None else prompt
+        fields["prompt" if isinstance(prompt, str) else "prompt_token_ids"] = prompt
         max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default
+        if req.echo and req.logprobs is not None:
+            fields["prompt_logprobs"] = req.logprobs
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
     if req.stop is not None:
@@ -423,76 +500,3 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-
-
-def chat_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    delta: dict[str, Any],
-    finish_reason: str | None,
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {
-        "id": f"chatcmpl-{rid}",
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-
-
-def completion_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {
-        "id": f"cmpl-{rid}",
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-
-
-def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: Usage) -> dict[str, Any]:
-    return {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage_body(usage),
-    }
-
-
-def full_response(
-    chat: bool,
-    rid: str,
-    created: int,
-    model: str,
-    text: str | None,
-    finish_reason: str,
-    usage: Usage,
-    logprobs: dict[str, Any] | None = None,
-    tool_calls: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    assert finish_reason in FINISH_REASONS, f"{finish_reason!r} is not an SDK finish_reason"
-    if chat:
-        body = chat_chunk(rid, created, model, {}, finish_reason, logprobs)
-        body["object"] = "chat.completion"
-        body["choices"][0].pop("delta")
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        body["choices"][0]["message"] = message
-    else:
-        body = completion_chunk(rid, created, model, text, finish_reason, logprobs)
-    body["usage"] = usage_body(usage)
-    return body

@@ -36,7 +36,7 @@ BAD = {  # beyond the schema tests' table: the hostile values of the issue
     "stop": ["x" * 257, ["x" * 257], ["a"] * 17, [5]],
     "model": [5, ["x"], "m" * 100_000],
     "messages": [[{"role": "user", "content": 5}], [{"role": "bot", "content": "x"}], "x"],
-    "prompt": [5, [5], {"a": 1}],
+    "prompt": [5, [-5], {"a": 1}, [[BIG]]],
     "n": [BIG, 2],
     "logit_bias": [{str(BIG): 1}, {"1": BIG}, {"x": 1}],
     "tools": [[{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}]],

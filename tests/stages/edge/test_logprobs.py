@@ -94,3 +94,25 @@ async def test_token_events_by_seq_and_the_flush_without_one():
     events.observe(RunFinished(request_id="r1", finish_reason="stop", last_seq=0))
     assert (await events.take(0)).token_ids == [5]
     assert await events.take(1) is None  # past the last tokens event: the flush
+
+
+def test_echo_puts_the_prompts_tokens_first_the_first_without_a_logprob(tok):
+    prompt, done = tok.encode("The sky is"), tok.encode(" blue")
+    lp = Logprobs(TokenText(tok), chat=False, num_top=1)
+    ranked = [[TokenLogprob(t, -0.25 * (i + 1)), TokenLogprob(done[0], -3.0)]
+              for i, t in enumerate(prompt[1:])]  # fmt: skip
+    part = lp.add_prompt(prompt, ranked)
+    assert part["tokens"] == ["The", " sky", " is"]
+    assert part["token_logprobs"] == [None, -0.25, -0.5]
+    assert part["top_logprobs"] == [
+        None,
+        {" blue": -3.0, " sky": -0.25},
+        {" blue": -3.0, " is": -0.5},
+    ]
+    assert part["text_offset"] == [0, 3, 7]
+    lp.add(_event(0, done, [done[0]]))
+    whole = lp.whole()
+    assert whole["tokens"] == ["The", " sky", " is", " blue"]
+    assert whole["text_offset"] == [0, 3, 7, 10]  # the completion's offsets follow the prompt's
+    with pytest.raises(RuntimeError, match="not the prompt's"):
+        Logprobs(TokenText(tok), chat=False, num_top=1).add_prompt(prompt, ranked[::-1])

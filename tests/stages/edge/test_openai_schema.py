@@ -5,18 +5,17 @@ never another exception; response bodies keep the SDK's shapes and finish reason
 import msgspec
 import pytest
 
-from schemas.events import RunCancelled, RunCompleted, Usage
+from schemas.events import RunCancelled, RunCompleted
 from stages import gateway
 from stages.edge.errors import RequestError
 from stages.edge.openai_params import BY_ENDPOINT, CHAT, COMPLETIONS, PARAMS
 from stages.edge.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    chat_chunk,
     decode_body,
     finish_reason,
-    full_response,
     to_submit,
+    to_submits,
 )
 from stages.runtime.failures import StageError
 
@@ -30,12 +29,13 @@ BASE = {
 def _edge_path(endpoint: str, body: dict) -> object:
     """What the edge does with a body before it submits (routes + Edge.open_run's checks)."""
     req = decode_body(msgspec.json.encode(body), KINDS[endpoint])
-    submit = to_submit(req, request_id="r1")
-    try:
-        gateway.normalize(submit, limit_chars=10**6)
-    except StageError as err:
-        raise RequestError("invalid_request", err.message, err.field) from None
-    return submit
+    submits = to_submits(req, request_id="r1")
+    for submit in submits:
+        try:
+            gateway.normalize(submit, limit_chars=10**6)
+        except StageError as err:
+            raise RequestError("invalid_request", err.message, err.field) from None
+    return submits[0]
 
 
 def _chat(**fields) -> ChatCompletionRequest:
@@ -86,6 +86,26 @@ def test_chat_body_maps_to_submit():
     assert to_submit(_chat(top_k=-1)).top_k is None  # vLLM's "off"
 
 
+def test_prompts_as_strings_ids_and_id_lists_are_a_submit_each():
+    def submits(prompt, **fields):
+        body = {"model": "m", "prompt": prompt, **fields}
+        req = decode_body(msgspec.json.encode(body), CompletionRequest)
+        return to_submits(req, request_id="r1", idempotency_key="k")
+
+    (one,) = submits("Once")
+    assert (one.prompt, one.prompt_token_ids, one.request_id, one.idempotency_key) == (
+        "Once", None, "r1", "k")  # fmt: skip
+    (ids,) = submits([5, 6, 7])
+    assert (ids.prompt, ids.prompt_token_ids) == (None, [5, 6, 7])
+    many = submits(["a", "b"], logprobs=2, echo=True)
+    assert [(s.prompt, s.request_id, s.idempotency_key) for s in many] == [
+        ("a", "r1-0", "k#0"), ("b", "r1-1", "k#1")]  # fmt: skip
+    assert [(s.logprobs, s.prompt_logprobs) for s in many] == [(2, 2), (2, 2)]
+    lists = submits([[1, 2], [3]])
+    assert [s.prompt_token_ids for s in lists] == [[1, 2], [3]]
+    assert submits("x", echo=True)[0].prompt_logprobs is None  # echo without logprobs: text only
+
+
 def test_completion_defaults_and_logprobs():
     req = decode_body(b'{"model": "m", "prompt": ["Once"], "logprobs": 3}', CompletionRequest)
     submit = to_submit(req)
@@ -113,7 +133,23 @@ BAD: dict[str, list] = {
         [{"role": "user", "content": "x", "extra": 1}],
         None,
     ],  # fmt: skip
-    "prompt": [1, ["a", "b"], [1, 2], [], None, ""],
+    "prompt": [
+        1,
+        [],
+        None,
+        "",
+        [[]],
+        [-1],
+        [2**20],
+        [1.5],
+        ["a", 1],
+        [[1, "x"]],
+        [True],
+        [["a"]],
+        ["x"] * 129,
+        ["a", ""],
+        {"a": 1},
+    ],  # fmt: skip
     "max_tokens": ["x", 0, -1, 8193, 1.5, True, 10**30],
     "max_completion_tokens": ["x", 0, 8193, 1.5],
     "temperature": ["x", -0.1, 2.1, True, []],
@@ -128,7 +164,7 @@ BAD: dict[str, list] = {
     "logprobs": {CHAT: ["x", 1, 2], COMPLETIONS: [6, -1, True, "x", 1.5]},
     "top_logprobs": [21, -1, "x", 5],  # 5 without logprobs: true
     "best_of": [2, "x", 0],
-    "echo": [True, "x", 1],
+    "echo": ["x", 1],
     "suffix": ["x", 1],
     "logit_bias": [
         {"x": 5},
@@ -298,25 +334,3 @@ def test_finish_reason_takes_only_the_sdks_values():
     done = RunCompleted(request_id="r", finish_reason="length")
     assert finish_reason(done) == "length"
     assert finish_reason(RunCancelled(request_id="r", reason="timeout")) == "stop"
-    with pytest.raises(AssertionError):
-        full_response(True, "r", 1, "m", "x", "cancelled", Usage())
-
-
-def test_response_bodies_follow_openai_shapes():
-    usage = Usage(prompt_tokens=4, completion_tokens=2, cached_tokens=1)
-    body = full_response(True, "r1", 10, "m", "hello", "stop", usage)
-    assert body["object"] == "chat.completion"
-    assert body["choices"] == [
-        {
-            "index": 0,
-            "logprobs": None,
-            "finish_reason": "stop",
-            "message": {"role": "assistant", "content": "hello"},
-        }
-    ]
-    assert body["usage"]["total_tokens"] == 6
-    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
-    text = full_response(False, "r1", 10, "m", "hello", "length", usage)
-    assert (text["object"], text["choices"][0]["text"]) == ("text_completion", "hello")
-    chunk = chat_chunk("r1", 10, "m", {"content": "he"}, None)
-    assert chunk["id"] == "chatcmpl-r1" and chunk["choices"][0]["delta"] == {"content": "he"}
