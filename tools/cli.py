@@ -37,6 +37,7 @@ BENCH = [
     "tools.bench.peer",
     "tools.bench.rag",
     "tools.bench.serve",
+    "tools.bench.overload",
 ]
 
 

@@ -5,7 +5,8 @@ Waiting work is the runs this edge submitted that have no first token yet. A new
 to its first token is estimated as the time the runs ahead of it need to start, from the start
 rate measured over the last `window_s` (first tokens per second; with too few starts yet, their
 prompts at the measured prefill rate), plus its own prompt at the prefill rate learned from
-completed runs (`prefill_ns`). It is refused when runs wait and the estimate exceeds `max_wait_s`
+completed runs (`prefill_ns`), plus what first tokens took beyond such estimates lately (the
+hops, the engine's step time; learned from each run's actual wait). It is refused when runs wait and the estimate exceeds `max_wait_s`
 (batch tenants get `batch_share` of it, so interactive ones keep headroom), or when the engine
 reports its KV cache above the watermark with requests queued. A lone request is never refused
 here: whether it can ever fit the model's window is the edge's and the context stage's check.
@@ -28,7 +29,8 @@ from schemas.events import (
 )
 from stages.edge.errors import RequestError
 
-RATE_WEIGHT = 0.2  # each completed run's share of the learned prefill rate (an EWMA)
+RATE_WEIGHT = 0.2  # each finished run's share of the learned prefill rate (an EWMA)
+OVERHEAD_UP, OVERHEAD_DOWN = 0.5, 0.1  # a first token's share of the learned overhead
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +56,7 @@ class AdmissionConfig:
 class Waiting:
     prompt_tokens: int
     since: float  # monotonic seconds
+    estimate_s: float  # its estimated wait when it was admitted
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,11 @@ class Estimate:
     num_ahead: int
     queue_s: float  # until the runs ahead have started
     prefill_s: float  # its own prompt
+    overhead_s: float = 0.0  # what first tokens took beyond the estimate lately
 
     @property
     def total_s(self) -> float:
-        return self.queue_s + self.prefill_s
+        return self.queue_s + self.prefill_s + self.overhead_s
 
 
 class AdmissionGate:
@@ -77,6 +81,7 @@ class AdmissionGate:
         self.starts: deque[float] = deque()  # first tokens within window_s
         self.prefill_tok_s = config.prefill_tok_s
         self.num_prefill_samples = 0
+        self.overhead_s = 0.0
         self.kv_usage: float | None = None
         self.engine_waiting: int | None = None
 
@@ -97,11 +102,16 @@ class AdmissionGate:
         ahead = list(self.waiting.values())
         prefill = prompt_tokens / self.prefill_tok_s
         if not ahead:
-            return Estimate(num_ahead=0, queue_s=0.0, prefill_s=prefill)
+            return Estimate(num_ahead=0, queue_s=0.0, prefill_s=prefill, overhead_s=self.overhead_s)
         by_prefill = sum(w.prompt_tokens for w in ahead) / self.prefill_tok_s
         rate = self.start_rate()
         by_starts = len(ahead) / rate if rate else 0.0
-        return Estimate(num_ahead=len(ahead), queue_s=max(by_prefill, by_starts), prefill_s=prefill)
+        return Estimate(
+            num_ahead=len(ahead),
+            queue_s=max(by_prefill, by_starts),
+            prefill_s=prefill,
+            overhead_s=self.overhead_s,
+        )
 
     # ---- admission ----
 
@@ -114,7 +124,8 @@ class AdmissionGate:
             raise RequestError(
                 "overloaded",
                 f"{found.num_ahead} requests wait for a first token (~{found.queue_s:.2f} s to "
-                f"start them) and this one needs ~{found.prefill_s:.2f} s of prefill; the bound "
+                f"start them) and this one needs ~{found.prefill_s + found.overhead_s:.2f} s "
+                f"more to its first token; the bound "
                 f"for {priority} work is {bound:.2f} s (BRIGADE_EDGE_MAX_WAIT_S); retry after "
                 f"{retry:.1f} s",
                 retry_after_s=retry,
@@ -127,7 +138,9 @@ class AdmissionGate:
                 f"BRIGADE_EDGE_KV_WATERMARK) with {queued} requests queued; retry shortly",
                 retry_after_s=max(found.queue_s, 1.0),
             )
-        self.waiting[request_id] = Waiting(prompt_tokens=prompt_tokens, since=self.clock())
+        self.waiting[request_id] = Waiting(
+            prompt_tokens=prompt_tokens, since=self.clock(), estimate_s=found.total_s
+        )
 
     def release(self, request_id: str) -> None:
         self.waiting.pop(request_id, None)
@@ -144,8 +157,14 @@ class AdmissionGate:
         if isinstance(event, RunFinished):
             self._learn_prefill(event)
         if isinstance(event, TokensGenerated | TextGenerated) and event.request_id in self.waiting:
-            self.starts.append(self.clock())
-            self._forget(self.clock())
+            now = self.clock()
+            self.starts.append(now)
+            self._forget(now)
+            waited = self.waiting[event.request_id]
+            beyond = (now - waited.since) - (waited.estimate_s - self.overhead_s)
+            # up fast, down slowly: the bound is kept for the slow first tokens, not the mean
+            weight = OVERHEAD_UP if beyond > self.overhead_s else OVERHEAD_DOWN
+            self.overhead_s = max(0.0, self.overhead_s + weight * (beyond - self.overhead_s))
         if isinstance(
             event, TokensGenerated | TextGenerated | RunFinished | RunCompleted | RunCancelled
         ) or isinstance(event, RequestFailed):

@@ -138,3 +138,17 @@ def test_config_is_validated():
         AdmissionConfig(kv_watermark=1.5)
     with pytest.raises(ValueError, match="max_wait_s=0"):
         AdmissionConfig(max_wait_s=0)
+
+
+def test_what_first_tokens_take_beyond_the_estimate_is_learned_and_counted():
+    clock = Clock()
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=1000), clock=clock)
+    for i in range(30):  # each run estimated at 0.1 s of prefill waits 0.6 s for its first token
+        gate.admit(f"r{i}", 100)
+        clock.now += 0.6
+        gate.observe(first_token(f"r{i}"))
+        clock.now += 10.0  # no start rate: one start per window
+    assert gate.overhead_s == pytest.approx(0.5, abs=0.01)
+    gate.admit("a", 100)  # alone: admitted
+    with pytest.raises(RequestError, match=r"needs ~0\.60 s more to its first token"):
+        gate.admit("b", 100)  # 0.1 ahead + 0.1 + 0.5 > 0.5, though the prompts alone fit
