@@ -137,14 +137,18 @@ class BlockManager:
                 self._hash_of[block_id] = h
         seq.num_offered_blocks = num_full
 
-    def fork(self, parent: Sequence, child: Sequence) -> int:
-        """Share the parent's full computed blocks with a child (prefix sharing, no copy).
+    def fork(self, parent: Sequence, child: Sequence, max_tokens: int | None = None) -> int:
+        """Share the parent's full computed blocks with a child (prefix sharing, no copy), at
+        most `max_tokens` tokens' worth.
 
         Only full blocks are shared, so neither sequence ever writes into a shared block.
         Returns the number of tokens the child gets for free.
         """
         assert not child.block_table, "fork into a sequence that holds no blocks"
-        num_full = parent.num_computed_tokens // self.block_size
+        num_computed = parent.num_computed_tokens
+        if max_tokens is not None:
+            num_computed = min(num_computed, max_tokens)
+        num_full = num_computed // self.block_size
         assert (
             parent.token_ids[: num_full * self.block_size]
             == child.token_ids[: num_full * self.block_size]

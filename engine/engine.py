@@ -164,6 +164,7 @@ class Engine:
         priority: int = 0,
         cache_domain: str = "",
         constrained_output_ids: list[int] | tuple[int, ...] = (),
+        fork_of: str | None = None,
     ) -> int:
         """Queue a request; returns the seed it samples with. RequestRejected (a ValueError) if
         it can never run.
@@ -172,7 +173,10 @@ class Engine:
         the same domain (give each tenant its own, as vLLM's `cache_salt`).
         constrained_output_ids: with params.constraint, a run that resumes an earlier one gives
         the earlier output (also the end of its prompt): the grammar takes it first; when it is
-        already a complete match, the next step reports the request finished ("stop")."""
+        already a complete match, the next step reports the request finished ("stop").
+        fork_of: parallel sampling (n > 1): an in-flight request of the same prompt and cache
+        domain whose prompt K/V this one shares once computed (BlockManager.fork) instead of
+        computing them again; any other id, or a different prompt, runs it on its own."""
         if request_id in self._seqs:
             raise RequestRejected(
                 "invalid_request",
@@ -232,6 +236,15 @@ class Engine:
             cache_domain=cache_domain,
             grammar=grammar,
         )
+        parent = self._seqs.get(fork_of) if fork_of is not None else None
+        if (
+            parent is not None
+            and parent.cache_domain == cache_domain
+            and parent.prompt_token_ids == seq.prompt_token_ids
+            and parent.params.prompt_logprobs is None  # it computes every prompt position
+            and params.prompt_logprobs is None
+        ):
+            seq.fork_parent = parent
         self._seqs[request_id] = seq
         self._generators[request_id] = torch.Generator(self.device).manual_seed(seed)
         self.scheduler.add(seq)

@@ -9,6 +9,9 @@ prefilled in chunks never stalls the decodes running beside it. When blocks run 
 sequence in that order is preempted by recompute: its blocks are freed and it waits again.
 A decode may carry a speculative draft (engine/spec_decode.py): its tokens are computed in the
 same chunk; `update` takes the verified run and keeps the K/V of the accepted draft tokens.
+Parallel sampling: a sequence with a `fork_parent` (the same prompt) waits until the parent has
+computed its prompt's full blocks, then shares them (BlockManager.fork) and computes only the
+rest, so those blocks are prefilled once for all.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found cached (not computed again)
+        self.num_forked_tokens = 0  # prompt tokens forked from a parent (not computed again)
         self.num_draft_tokens = 0  # speculative tokens verified
         self.num_accepted_draft_tokens = 0  # of those, tokens the model agreed with
 
@@ -126,8 +130,11 @@ class Scheduler:
         if out.preempted:
             return out  # memory is tight: admit nobody new this step
         while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            cached = self.block_manager.take_cached_prefix(seq)
+            seq = next((s for s in self.waiting if not self._held(s)), None)
+            if seq is None:
+                break
+            forked = bool(seq.block_table)  # its prompt's shared blocks (kept while it waits)
+            cached = 0 if forked else self.block_manager.take_cached_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
             fits = len(self.running) < self.config.max_num_seqs and self.block_manager.can_allocate(
                 seq, num_new
@@ -145,7 +152,7 @@ class Scheduler:
                     out.preempted.append(victim)
                     continue
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += cached
             seq.status = SequenceStatus.RUNNING
@@ -153,6 +160,25 @@ class Scheduler:
             self._schedule(out, seq, num_new)
             budget -= num_new
         return out
+
+    @staticmethod
+    def _held(seq: Sequence) -> bool:
+        """A fork child waits while its parent lives and has not shared its prompt yet."""
+        parent = seq.fork_parent
+        return parent is not None and not seq.block_table and not parent.is_finished
+
+    def _fork_children(self, parent: Sequence) -> None:
+        """Share the parent's computed prompt blocks with the children waiting for them, once
+        they are all computed (before the parent may finish and free them)."""
+        bs = self.block_manager.block_size
+        prompt_blocks = (parent.num_prompt_tokens - 1) // bs  # a child computes its last token
+        if parent.num_computed_tokens < prompt_blocks * bs:
+            return
+        for child in self.waiting:
+            if child.fork_parent is parent and not child.block_table:
+                shared = self.block_manager.fork(parent, child, prompt_blocks * bs)
+                self.num_forked_tokens += shared
+                child.fork_parent = None  # done: it no longer waits for the parent
 
     def _schedule(
         self, out: SchedulerOutput, seq: Sequence, num_new: int, draft: tuple[int, ...] = ()
@@ -195,6 +221,7 @@ class Scheduler:
             seq = s.seq
             seq.num_computed_tokens += s.num_real_tokens
             self.block_manager.cache_full_blocks(seq)
+            self._fork_children(seq)
             if not s.samples:
                 continue
             token_ids = new_token_ids[k]

@@ -47,6 +47,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain, full blocks
     num_offered_blocks: int = 0  # leading full blocks already offered to the prefix cache
     grammar: Matcher | None = None  # with params.constraint: where the output is in its grammar
+    # parallel sampling (n > 1): the sequence whose prompt K/V this one shares, once computed
+    fork_parent: Sequence | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -45,6 +45,12 @@ def test_fork_shares_full_blocks_with_ref_counts():
     assert bm.ref_counts == [1, 1, 0, 1] and bm.num_free_blocks == 1
     bm.free(child)
     assert bm.ref_counts == [0, 0, 0, 0] and bm.num_free_blocks == 4
+    parent.num_computed_tokens = 0
+    bm.allocate(parent, 10)
+    parent.num_computed_tokens = 10
+    other = seq(10, "o")
+    assert bm.fork(parent, other, max_tokens=7) == 4  # at most 7 tokens: one full block
+    assert other.block_table == parent.block_table[:1]
 
 
 def test_over_allocation_and_bad_sizes():

@@ -334,6 +334,45 @@ def test_prompt_logprobs_equal_each_position_sampled_alone_chunked_and_past_the_
             assert engine.scheduler.num_prefix_hits == 0  # computed whole, not from the cache
 
 
+def test_parallel_samples_share_the_prompts_blocks_and_prefill_them_once(tiny_dir):
+    """n = 3 by fork: the children wait for the parent's prompt, then hold its full blocks
+    (the same block ids, ref count 3) and compute only the last partial block; each sample is
+    the one it gets on its own with its seed."""
+    toks = prompts([23], 259)[0]  # 5 full blocks of 4 and 3 tokens
+    sampled = [SamplingParams(temperature=1.0, seed=s, max_tokens=6) for s in (1, 2, 3)]
+    alone_out = [run_all(tiny_engine(tiny_dir), [toks], p, ["a"])[0][0] for p in sampled]
+    engine = tiny_engine(tiny_dir)
+    computed: dict[str, int] = {}
+    run = engine.runner.run
+
+    def counting(scheduled):
+        for s in scheduled:
+            computed[s.seq.request_id] = computed.get(s.seq.request_id, 0) + s.num_real_tokens
+        return run(scheduled)
+
+    engine.runner.run = counting
+    engine.add_request("p", toks, sampled[0])
+    engine.add_request("c1", toks, sampled[1], fork_of="p")
+    engine.add_request("c2", toks, sampled[2], fork_of="p")
+    out = {rid: [] for rid in ("p", "c1", "c2")}
+    shared = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        seqs = engine._seqs
+        if shared is None and "c1" in seqs and seqs["c1"].block_table:
+            shared = seqs["p"].block_table[:5]
+            assert seqs["c1"].block_table[:5] == seqs["c2"].block_table[:5] == shared
+            assert [engine.block_manager.ref_counts[b] for b in shared] == [3] * 5
+    assert shared is not None
+    assert engine.scheduler.num_forked_tokens == 2 * 20
+    assert computed["p"] == 23 + 5 and computed["c1"] == computed["c2"] == 3 + 5
+    assert [out["p"], out["c1"], out["c2"]] == alone_out
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.add_request("x", toks, sampled[0], fork_of="gone")  # no such parent: on its own
+    assert engine._seqs["x"].fork_parent is None
+
+
 def test_engine_config_is_validated():
     with pytest.raises(ValueError, match=r"EngineConfig.dtype='fp8'; allowed: \['bfloat16'"):
         EngineConfig(dtype="fp8")
