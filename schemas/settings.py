@@ -23,7 +23,7 @@ PREFIX = "BRIGADE_"
 
 SERVICES = (
     "gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger", "edge", "archiver",
-    "ingest",
+    "ingest", "sweeper",
 )  # fmt: skip
 TOOLS = ("up", "ask", "status", "keys", "usage", "log", "bench", "docs")  # log: sql, report, trace, replay
 READERS = SERVICES + TOOLS
@@ -455,6 +455,35 @@ EDGE_KV_WATERMARK = declare(Setting[float](
     name="BRIGADE_EDGE_KV_WATERMARK", kind="float", default=0.95, gt=0, le=1,
     help="KV cache use, 0..1, above which the edge answers 429 while requests queue",
     readers=("edge",),
+))  # fmt: skip
+
+# The sweeper (runs that nothing ended past their deadline)
+SWEEP_PERIOD_S = declare(Setting[float](
+    name="BRIGADE_SWEEP_PERIOD_S", kind="float", default=30.0, gt=0,
+    help="seconds between the sweeper's passes over the run-state projection",
+    readers=("sweeper",),
+))  # fmt: skip
+SWEEP_QUEUED_S = declare(Setting[float](
+    name="BRIGADE_SWEEP_QUEUED_S", kind="float", default=600.0, gt=0,
+    help="seconds a run before the engine (accepted .. assembled) may show no progress before "
+    "the sweeper cancels it",
+    readers=("sweeper",),
+))  # fmt: skip
+SWEEP_ENGINE_S = declare(Setting[float](
+    name="BRIGADE_SWEEP_ENGINE_S", kind="float", default=1800.0, gt=0,
+    help="seconds a run in the engine (tokenized, streaming) may go without a `tokens` event "
+    "before the sweeper cancels it",
+    readers=("sweeper",),
+))  # fmt: skip
+SWEEP_GRACE_S = declare(Setting[float](
+    name="BRIGADE_SWEEP_GRACE_S", kind="float", default=60.0, ge=0,
+    help="seconds after its cancel before the sweeper ends a run nothing else ended",
+    readers=("sweeper",),
+))  # fmt: skip
+SWEEP_MAX_PER_PASS = declare(Setting[int](
+    name="BRIGADE_SWEEP_MAX_PER_PASS", kind="int", default=1000, ge=1,
+    help="runs the sweeper cancels or ends in one pass at most",
+    readers=("sweeper",),
 ))  # fmt: skip
 
 BY_NAME: Mapping[str, Setting[Any]] = {s.name: s for s in SETTINGS}

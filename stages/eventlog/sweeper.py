@@ -25,7 +25,7 @@ import nats.errors
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
-from schemas import subjects
+from schemas import settings, subjects
 from schemas.bounded import decode_bounded
 from schemas.events import TERMINAL_EVENTS, CancelRequested, RunCancelled, decode_event
 from stages.eventlog.runstate import TERMINAL, RunRecord
@@ -54,6 +54,18 @@ class SweeperConfig:
             )
         if self.max_per_pass < 1:
             raise ValueError(f"sweeper: max_per_pass={self.max_per_pass} must be >= 1")
+
+    @classmethod
+    def from_env(cls) -> SweeperConfig:
+        """The sweeper's settings, declared in schemas/settings.py (SWEEP_*)."""
+        found = settings.load()
+        return cls(
+            period_s=found[settings.SWEEP_PERIOD_S],
+            queued_s=found[settings.SWEEP_QUEUED_S],
+            engine_s=found[settings.SWEEP_ENGINE_S],
+            grace_s=found[settings.SWEEP_GRACE_S],
+            max_per_pass=found[settings.SWEEP_MAX_PER_PASS],
+        )
 
     def deadline_s(self, record: RunRecord) -> float:
         return self.queued_s if record.state == "queued" else self.engine_s
@@ -193,7 +205,7 @@ def spec(config: SweeperConfig | None = None) -> StageSpec:
     """`brigade stage sweeper`."""
 
     def service(ctx: StageContext, state: None) -> Sweeper:
-        return Sweeper(ctx.bus, config or SweeperConfig())
+        return Sweeper(ctx.bus, config or SweeperConfig.from_env())
 
     return StageSpec(name=STAGE, service=service, drain_s=5.0)
 

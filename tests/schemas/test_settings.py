@@ -139,6 +139,11 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_EDGE_MAX_FRAME": 1 << 20,
         "BRIGADE_EDGE_RECONNECT_GRACE_S": 15.0,
         "BRIGADE_EDGE_MAX_WAIT_S": 0.5,
+        "BRIGADE_SWEEP_PERIOD_S": 30.0,
+        "BRIGADE_SWEEP_QUEUED_S": 600.0,
+        "BRIGADE_SWEEP_ENGINE_S": 1800.0,
+        "BRIGADE_SWEEP_GRACE_S": 60.0,
+        "BRIGADE_SWEEP_MAX_PER_PASS": 1000,
         "BRIGADE_EDGE_MODEL_ALIASES": (),
         "BRIGADE_EDGE_KV_WATERMARK": 0.95,
     }

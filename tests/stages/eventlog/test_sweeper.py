@@ -122,3 +122,20 @@ def test_config_is_checked() -> None:
         SweeperConfig(queued_s=0)
     with pytest.raises(ValueError, match="max_per_pass=0"):
         SweeperConfig(max_per_pass=0)
+
+
+def test_config_comes_from_the_declared_settings(monkeypatch) -> None:
+    from schemas import settings
+
+    assert SweeperConfig.from_env() == SweeperConfig()  # the declared defaults are the config's
+    monkeypatch.setenv("BRIGADE_SWEEP_QUEUED_S", "5")
+    monkeypatch.setenv("BRIGADE_SWEEP_MAX_PER_PASS", "7")
+    found = SweeperConfig.from_env()
+    assert (found.queued_s, found.max_per_pass, found.engine_s) == (5.0, 7, 1800.0)
+    monkeypatch.setenv("BRIGADE_SWEEP_GRACE_S", "-1")
+    with pytest.raises(settings.InvalidSetting, match="BRIGADE_SWEEP_GRACE_S"):
+        SweeperConfig.from_env()
+    assert {s.name for s in settings.for_reader("sweeper")} >= {
+        "BRIGADE_SWEEP_PERIOD_S", "BRIGADE_SWEEP_QUEUED_S", "BRIGADE_SWEEP_ENGINE_S",
+        "BRIGADE_SWEEP_GRACE_S", "BRIGADE_SWEEP_MAX_PER_PASS", "NATS_URL",
+    }  # fmt: skip
