@@ -95,6 +95,9 @@ class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # top-n per prompt token
     logit_bias: LogitBias | None = None
+    # parallel sampling (n > 1): a request of the same prompt whose prompt K/V the engine shares
+    # with this one once computed (the text is the same without it)
+    fork_of: RequestId | None = None
     # structured output, at most one (the gateway checks): OpenAI's response_format, or vLLM's
     # guided_json (a schema, as an object or its JSON text), guided_regex, guided_choice (the
     # output is one of the strings), guided_grammar (Lark or GBNF)
@@ -159,6 +162,9 @@ class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # top-n per prompt token
     logit_bias: LogitBias | None = None
+    # parallel sampling (n > 1): a request of the same prompt whose prompt K/V the engine shares
+    # with this one once computed (the text is the same without it)
+    fork_of: RequestId | None = None
     # structured output, at most one (the gateway checks): OpenAI's response_format, or vLLM's
     # guided_json (a schema, as an object or its JSON text), guided_regex, guided_choice (the
     # output is one of the strings), guided_grammar (Lark or GBNF)
