@@ -30,12 +30,12 @@ def _attr(value: str) -> str:
     return value.replace("&", "&amp;").replace('"', "&quot;").replace("<", "&lt;")
 
 
+def _head(c: Candidate) -> str:
+    return f'<document id="{_attr(c.chunk.chunk_id)}" source="{_attr(c.chunk.source)}">\n'
+
+
 def document_block(c: Candidate) -> str:
-    ch = c.chunk
-    return (
-        f'<document id="{_attr(ch.chunk_id)}" source="{_attr(ch.source)}">\n'
-        f"{quote(ch.text)}\n</document>"
-    )
+    return f"{_head(c)}{quote(c.chunk.text)}\n</document>"
 
 
 def retrieved_text(candidates: list[Candidate]) -> str:
@@ -48,7 +48,7 @@ class Packed:
     kept: list[int]  # indices into the candidates, in prompt order
     reasons: list[str]  # per candidate: "kept", "rank" (past top_k) or "budget" (no room)
     num_tokens: int  # the retrieved part's tokens
-    num_dropped_tokens: int  # the dropped candidates' blocks, each counted alone
+    num_dropped_tokens: int  # the dropped candidates' own tokens
 
 
 def pack(plain: Fit, candidates: list[Candidate], costs: Costs, budget: int, top_k: int) -> Packed:
@@ -69,7 +69,11 @@ def pack(plain: Fit, candidates: list[Candidate], costs: Costs, budget: int, top
         cost = costs.message("system", text, first=True)
         return rest + costs.framing(True) + cost, cost
 
-    block_costs = [len(costs.tok.encode_text(document_block(c))) + 2 for c in candidates]
+    # estimates: a chunk's own tokens (counted at ingestion) plus its element's; exact below
+    block_costs = [
+        c.chunk.num_tokens + len(costs.tok.encode_text(_head(c) + "\n</document>")) + 2
+        for c in candidates
+    ]
     reasons = ["rank"] * len(candidates)
     header = len(costs.tok.encode_text(RETRIEVED_HEADER)) + 4
     estimate = plain.num_prompt_tokens + header + (0 if has_system else costs.framing(True))
@@ -96,7 +100,7 @@ def pack(plain: Fit, candidates: list[Candidate], costs: Costs, budget: int, top
     part = ContextPart(
         name="retrieved",
         num_tokens=num_tokens,
-        num_dropped_tokens=sum(block_costs[i] for i in dropped),
+        num_dropped_tokens=sum(candidates[i].chunk.num_tokens for i in dropped),
         num_dropped_items=len(dropped),
     )
     parts = [p for p in plain.parts if p.name != "template"]

@@ -1,17 +1,19 @@
-"""Reranking by the served model: each candidate's relevance is log P(yes) - log P(no) of one
-greedy token after a yes/no question about the passage and the query (no cross-encoder ships
-offline).
+"""Reranking by the served model: each candidate's relevance is the mean log-probability of the
+query's tokens after the passage (query likelihood, as in Sachan et al. 2022's UPR), read from
+the engine's prompt logprobs of one run per candidate. No cross-encoder ships offline; asking the
+model "does the passage answer the question, yes or no" was measured worse than no reranking
+(docs/benchmarks.md), so the score is the likelihood of the question itself.
 
 `BusReranker` runs the candidates as nested runs through the pipeline, as stages/summarize.py
 does (an `authorized` event per candidate under an id derived from the parent's, so the engine
-batches them and the log keeps them), and reads the first `tokens` event's top logprobs.
-`score_logprobs` is shared with the in-process bench (tools/bench/rag.py).
+batches them and the log keeps them), and reads the first `tokens` event's prompt logprobs.
+`query_likelihood_prompt` and `query_likelihood` are shared with the in-process bench
+(tools/bench/rag.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from collections.abc import Sequence
 
@@ -21,7 +23,6 @@ from engine.tokenizer import Tokenizer
 from schemas import subjects
 from schemas.events import (
     CancelRequested,
-    Message,
     Request,
     RequestAuthorized,
     Sampling,
@@ -31,47 +32,29 @@ from schemas.events import (
 from stages.retrieval.pack import quote
 from stages.runtime.spec import StageContext
 
-INSTRUCTION = "Answer with yes or no only: does the passage answer the question?"
-NUM_LOGPROBS = 20
+INSTRUCTION = "Read the passage, then write a question that it answers."
 TERMINAL = ("finished", "completed", "failed", "cancelled")
 
 
-def rerank_messages(query: str, passage: str) -> list[Message]:
-    return [
-        Message(role="system", content=INSTRUCTION),
-        Message(
-            role="user",
-            content=f"Passage:\n<document>\n{quote(passage)}\n</document>\n\nQuestion: {query}\n"
-            "Does the passage answer the question? Answer yes or no.",
-        ),
-    ]
+def query_likelihood_prompt(tok: Tokenizer, query: str, passage: str) -> tuple[list[int], int]:
+    """The prompt's token ids (the passage, then the query as the answer) and where the query
+    starts."""
+    head = tok.encode_chat(
+        [
+            {"role": "system", "content": INSTRUCTION},
+            {"role": "user", "content": f"Passage:\n<document>\n{quote(passage)}\n</document>"},
+        ],
+        add_generation_prompt=True,
+    )
+    return head + tok.encode_text(query), len(head)
 
 
-def yes_no_ids(tok: Tokenizer) -> tuple[set[int], set[int]]:
-    """Token ids that read "yes" / "no" (any case, any leading space)."""
-    yes, no = set(), set()
-    for word in ("yes", "Yes", "YES", " yes", " Yes", "no", "No", "NO", " no", " No"):
-        ids = tok.encode_text(word)
-        if len(ids) == 1:
-            (yes if word.strip().lower() == "yes" else no).add(ids[0])
-    assert yes and no, "the tokenizer has no single-token yes / no"
-    return yes, no
-
-
-def score_logprobs(top: Sequence[tuple[int, float]], yes: set[int], no: set[int]) -> float:
-    """log P(yes) - log P(no) from one position's top logprobs; a side missing from the top
-    counts as the smallest logprob seen (an upper bound on its probability)."""
-    seen = dict(top)
-    floor = min(seen.values())
-
-    def side(ids: set[int]) -> float:
-        found = [seen[i] for i in ids if i in seen]
-        if not found:
-            return floor
-        m = max(found)
-        return m + math.log(sum(math.exp(x - m) for x in found))
-
-    return side(yes) - side(no)
+def query_likelihood(prompt_logprobs: Sequence[Sequence[tuple[int, float]]], start: int) -> float:
+    """Mean log P(query token | passage, earlier query tokens); `prompt_logprobs[i]` is prompt
+    token i + 1's entry, its own logprob first."""
+    own = [entry[0][1] for entry in prompt_logprobs[start - 1 :]]
+    assert own, f"no query tokens after position {start}"
+    return sum(own) / len(own)
 
 
 def nested_id(parent: str, i: int) -> str:
@@ -86,13 +69,15 @@ class RerankFailed(Exception):
 class BusReranker:
     def __init__(self, ctx: StageContext, tok: Tokenizer, *, timeout_s: float) -> None:
         self.bus = ctx.bus
-        self.yes, self.no = yes_no_ids(tok)
+        self.tok = tok
         self.timeout_s = timeout_s
 
     async def scores(
         self, parent: RequestAuthorized, query: str, passages: list[str]
     ) -> list[float]:
         ids = [nested_id(parent.request_id, i) for i in range(len(passages))]
+        prompts = [query_likelihood_prompt(self.tok, query, p) for p in passages]
+        starts = {rid: start for rid, (_, start) in zip(ids, prompts, strict=True)}
         found: dict[str, float] = {}
         ended: dict[str, str] = {}
         done = anyio.Event()
@@ -100,10 +85,9 @@ class BusReranker:
         async def on_msg(msg) -> None:
             event = decode_event(msg.data)
             rid = event.request_id
-            if isinstance(event, TokensGenerated) and event.seq == 0 and event.logprobs:
-                found[rid] = score_logprobs(
-                    [(t.token_id, t.logprob) for t in event.logprobs[0]], self.yes, self.no
-                )
+            if isinstance(event, TokensGenerated) and event.seq == 0 and event.prompt_logprobs:
+                entries = [[(t.token_id, t.logprob) for t in e] for e in event.prompt_logprobs]
+                found[rid] = query_likelihood(entries, starts[rid])
             elif event.__struct_config__.tag in TERMINAL:
                 ended.setdefault(rid, event.__struct_config__.tag)
             if all(r in found or r in ended for r in ids):
@@ -112,12 +96,14 @@ class BusReranker:
         subs = [await self.bus.nc.subscribe(subjects.request_events(r), cb=on_msg) for r in ids]
         deadline = time.monotonic() + self.timeout_s
         try:
-            for rid, passage in zip(ids, passages, strict=True):
+            for rid, (prompt, _) in zip(ids, prompts, strict=True):
                 request = Request(
-                    messages=rerank_messages(query, passage),
+                    messages=[],
+                    raw_prompt=True,
+                    prompt_token_ids=prompt,
                     model=parent.request.model,
                     priority=parent.request.priority,
-                    sampling=Sampling(temperature=0.0, max_tokens=1, logprobs=NUM_LOGPROBS),
+                    sampling=Sampling(temperature=0.0, max_tokens=1, prompt_logprobs=0),
                 )
                 await self.bus.publish(
                     RequestAuthorized(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.tokenizer import load_tokenizer
 from schemas.events import Message, Request, Retrieval, Sampling
 from stages import fit as fitting
 from stages.retrieval.pack import RETRIEVED_HEADER, document_block, pack, quote
@@ -12,16 +13,18 @@ from stages.retrieval.search import Candidate
 from stages.retrieval.store import StoredChunk
 from stages.tokenize import prompt_token_ids
 
+TOK = load_tokenizer("smollm2-135m")
+
 
 @pytest.fixture(scope="module")
-def costs(tok) -> fitting.Costs:
-    return fitting.Costs(tok)
+def costs() -> fitting.Costs:
+    return fitting.Costs(TOK)
 
 
 def cand(i: int, text: str) -> Candidate:
     chunk = StoredChunk(
         chunk_id=f"doc_{i}:0", collection="c", doc_id=f"doc_{i}", source=f"s{i}.md", start=0,
-        end=len(text), num_tokens=0, text=text,
+        end=len(text), num_tokens=len(TOK.encode_text(text)), text=text,
     )  # fmt: skip
     return Candidate(chunk=chunk, fused_score=1.0 / (i + 1))
 
@@ -65,7 +68,7 @@ def test_everything_fits_the_counts_are_exact_and_parts_add_up(costs, system) ->
     assert retrieved.num_tokens == packed.num_tokens > 0
     assert (retrieved.num_dropped_items, retrieved.num_dropped_tokens) == (
         1,
-        len(costs.tok.encode_text(document_block(candidates[3]))) + 2,
+        len(costs.tok.encode_text(TEXTS[3])),
     )
     system_msg = fitted.messages[0]
     assert system_msg.role == "system" and RETRIEVED_HEADER in system_msg.content
