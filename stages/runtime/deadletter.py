@@ -4,13 +4,16 @@ terminated (AckTerm), so it is never redelivered in a loop.
 
 One `DeadLetter` per (stream, stream seq, consumer), stored on `llm.dead.<consumer>` in the
 BRIGADE_DEAD stream with that triple as its `Nats-Msg-Id`: a redelivery records nothing new.
-It keeps the first `MAX_KEPT_BYTES` of the payload (the log keeps all of it, by seq). Recording
+It keeps the first `MAX_KEPT_BYTES` of the payload (the log keeps all of it, by seq), with any
+`"api_key"` value blanked: a dead letter rests on disk, and an older client's submit carried
+its key in the body. Recording
 never raises: a dead letter that cannot be stored is logged, and the message is still settled.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import anyio
@@ -25,6 +28,7 @@ log = logging.getLogger("brigade.deadletter")
 MAX_KEPT_BYTES = 4096
 MSG_ID_HEADER = "Nats-Msg-Id"
 RECORD_TIMEOUT_S = 5.0
+_API_KEY = re.compile(rb'"api_key"\s*:\s*"(?:[^"\\]|\\.)*"?')  # to its end, or the payload's
 
 
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -50,7 +54,7 @@ def letter_for(consumer: str, msg: Msg, reason: str, request_id: str | None = No
         stream, seq, delivered = meta.stream, meta.sequence.stream, meta.num_delivered
     except Exception:  # noqa: BLE001 - a core message has no JetStream metadata
         pass
-    data = msg.data or b""
+    data = _API_KEY.sub(b'"api_key":"[removed]"', msg.data or b"")
     return DeadLetter(
         consumer=consumer,
         reason=reason[:2000],
@@ -59,7 +63,7 @@ def letter_for(consumer: str, msg: Msg, reason: str, request_id: str | None = No
         stream_seq=seq,
         num_delivered=delivered,
         request_id=request_id,
-        size=len(data),
+        size=len(msg.data or b""),
         data=data[:MAX_KEPT_BYTES].decode("utf-8", errors="replace"),
         ts_ns=time.time_ns(),
     )

@@ -19,7 +19,7 @@ import websockets
 from schemas import settings, subjects
 from schemas.events import Message, RequestAuthorized, RunBilled, Submit
 from stages.edge.keys import KeyRing
-from stages.runtime import natsd
+from stages.runtime import deadletter, natsd
 from stages.runtime.bus import Bus, BusConfig, publish_submit
 from stages.tenancy import tenants
 from tests.stages.pipeline_harness import MODEL, running_pipeline
@@ -251,6 +251,32 @@ async def test_a_file_backed_submit_queue_is_recreated_in_memory(tmp_path: Path)
             await bus.ensure_streams()  # idempotent once in memory
             info = await bus.js.stream_info(subjects.SUBMIT_STREAM)
             assert (info.config.storage, info.state.messages) == ("memory", 0)
+        finally:
+            await bus.close()
+    finally:
+        natsd.stop(server)
+    assert scan(tmp_path, [KEYS["body"]]) == {KEYS["body"]: []}
+
+
+async def test_a_dead_lettered_submit_keeps_no_key(tmp_path: Path) -> None:
+    """A submit the gateway gives up on is recorded in the file-backed dead-letter stream with
+    its body's first bytes: an older client's key in that body is blanked first."""
+    server = natsd.start(tmp_path / "nats")
+    try:
+        bus = await Bus.connect(BusConfig(servers=(server.url,)))
+        try:
+            await bus.ensure_streams()
+            old = {"api_key": KEYS["body"], "prompt": "Hi", "max_tokens": "not a number"}
+            await bus.js.publish(subjects.SUBMIT, msgspec.json.encode(old))
+            sub = await bus.js.pull_subscribe(subjects.SUBMIT, "keys-test", stream="BRIGADE_IN")
+            (msg,) = await sub.fetch(1, timeout=5)
+            letter = deadletter.letter_for("gateway", msg, "gave up")
+            assert await deadletter.record(bus.js, letter)
+            stored = await bus.js.get_last_msg(
+                subjects.DEAD_STREAM, subjects.dead_letter("gateway")
+            )
+            assert b"[removed]" in stored.data and b'"prompt\\":\\"Hi\\"' in stored.data
+            await msg.ack()
         finally:
             await bus.close()
     finally:
