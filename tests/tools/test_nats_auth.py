@@ -24,6 +24,7 @@ from stages.tenancy import tenants
 from tests.stages.edge_harness import MODEL, running_edge
 from tools import nats_auth, stage
 from tools.stage import serve_stage
+from tools.status import ready_here
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "deploy" / "nats" / "brigade.conf"
@@ -120,6 +121,10 @@ async def test_every_stage_serves_a_chat_as_its_own_user(secured, tmp_path, monk
             )
             with anyio.fail_after(120):
                 await ready.wait()
+        for name in STAGES:  # compose's healthcheck: `brigade status --ready NAME` as NAME
+            with anyio.fail_after(30):
+                while not await ready_here(as_user(url, found, name), name):
+                    await anyio.sleep(0.2)
         keys = KeyRing(path, (MODEL,))
         async with running_edge(as_user(url, found, "edge"), keys) as edge:
             auth = {"Authorization": f"Bearer {KEY}"}
