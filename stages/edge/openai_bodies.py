@@ -29,11 +29,19 @@ class Choice:
         )
 
 
-def total_usage(usages: list[Usage]) -> Usage:
+def total_usage(usages: list[Usage], prompt_indices: list[int] | None = None) -> Usage:
+    """The runs' usage together: every run's completion tokens, and each prompt's tokens once
+    (`prompt_indices[r]`: the prompt run r answers; n and best_of runs share one)."""
+    firsts = list(usages)
+    if prompt_indices is not None:
+        seen: dict[int, Usage] = {}
+        for usage, prompt in zip(usages, prompt_indices, strict=True):
+            seen.setdefault(prompt, usage)
+        firsts = list(seen.values())
     return Usage(
-        prompt_tokens=sum(u.prompt_tokens for u in usages),
+        prompt_tokens=sum(u.prompt_tokens for u in firsts),
         completion_tokens=sum(u.completion_tokens for u in usages),
-        cached_tokens=sum(u.cached_tokens for u in usages),
+        cached_tokens=sum(u.cached_tokens for u in firsts),
     )
 
 

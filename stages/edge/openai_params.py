@@ -109,10 +109,17 @@ PARAMS: tuple[Param, ...] = (
     _honoured("seed", "0..2^63-1: the same seed and request give the same text"),
     _honoured("logprobs", "chat: true/false; completions: 0..5 top alternatives per token"),
     _honoured("top_logprobs", "0..20 alternatives per token; needs logprobs: true", (CHAT,)),
-    _refused("n", f"several choices per request are {NOT_YET}", _null_or(1), "1"),
-    _refused(
-        "best_of", f"several candidates per request are {NOT_YET}", _null_or(1), "1", (COMPLETIONS,)
-    ),  # fmt: skip
+    _honoured(
+        "n",
+        "1..16 choices per prompt, sampled in parallel: the engine computes the prompt once and "
+        "the choices share its KV blocks; with a seed, choice j samples with seed + j",
+    ),
+    _honoured(
+        "best_of",
+        "n..16 candidates per prompt (sampled as n is), the n of highest cumulative logprob "
+        "answered; not with stream unless equal to n",
+        (COMPLETIONS,),
+    ),
     _honoured(
         "echo",
         "true: the prompt before the completion; with logprobs, the prompt's tokens first (the "

@@ -9,6 +9,7 @@ the run's id, or with several prompts `<id>-<i>` for prompt i).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,6 +46,8 @@ from stages.edge.openai_schema import (
     OpenAIRequest,
     decode_body,
     finish_reason,
+    num_candidates,
+    ranks_candidates,
     to_submits,
 )
 from stages.edge.runwatch import RunWatch
@@ -90,6 +93,9 @@ class _Run:
         self.tools = isinstance(body, ChatCompletionRequest) and body.calls_tools
         self.echo: str | None = None  # with echo: the prompt's text, sent before the first delta
         self.prompt_token_ids: list[int] = []  # with echo and logprobs
+        self.prompt_index = 0  # the prompt it answers
+        self.show_logprobs = True  # False: kept only to rank best_of candidates
+        self.cumulative_logprob = 0.0  # of its sampled tokens, eos included (as vLLM ranks)
 
     async def logprobs_of(self, delta: TextGenerated) -> dict[str, Any] | None:
         """The logprobs of the tokens behind this text delta (None when not asked or none),
@@ -97,6 +103,8 @@ class _Run:
         if self.logprobs is None or self.tokens is None:
             return None
         event = await self.tokens.take(delta.seq)
+        if event is not None and event.logprobs is not None:
+            self.cumulative_logprob += sum(ranked[0].logprob for ranked in event.logprobs)
         prompt = None
         if event is not None and event.prompt_logprobs is not None and self.echo is not None:
             prompt = self.logprobs.add_prompt(self.prompt_token_ids, event.prompt_logprobs)
@@ -138,7 +146,7 @@ class OpenAIRoutes:
             for i, submit in enumerate(to_submits(body, **extra)):
                 tokens = TokenEvents(edge.bus.js, submit.request_id or rid)
                 watch = await edge.open_run(
-                    caller, submit, tokens if body.num_logprobs is not None else None, i == 0
+                    caller, submit, tokens if submit.logprobs is not None else None, i == 0
                 )
                 runs.append(self._run(i, watch, body, submit, tokens))
         except BaseException:
@@ -152,16 +160,19 @@ class OpenAIRoutes:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return await self._stream(caller, rid, model, runs, include_usage)
-        return await self._whole(request, caller, rid, model, runs)
+        best_n = (body.n or 1) if ranks_candidates(body) else None
+        return await self._whole(request, caller, rid, model, runs, best_n)
 
     def _run(
         self, index: int, watch: RunWatch, body: OpenAIRequest, submit: Submit, tokens: TokenEvents
     ) -> _Run:
         tok = self.edge.tokenizer
         assert tok is not None, "the edge was not started"
-        run = _Run(index, watch, body, tokens if body.num_logprobs is not None else None)
-        if body.num_logprobs is not None:
-            run.logprobs = Logprobs(TokenText(tok), chat=run.chat, num_top=body.num_logprobs)
+        run = _Run(index, watch, body, tokens if submit.logprobs is not None else None)
+        run.prompt_index = index // num_candidates(body)
+        if submit.logprobs is not None:
+            run.logprobs = Logprobs(TokenText(tok), chat=run.chat, num_top=submit.logprobs)
+            run.show_logprobs = body.num_logprobs is not None
         if isinstance(body, CompletionRequest) and body.echo:
             ids = submit.prompt_token_ids or tok.encode(submit.prompt or "")
             run.echo = submit.prompt if submit.prompt is not None else tok.decode(ids, False)
@@ -169,7 +180,13 @@ class OpenAIRoutes:
         return run
 
     async def _whole(
-        self, request: Request, caller: Caller, rid: str, model: str, runs: list[_Run]
+        self,
+        request: Request,
+        caller: Caller,
+        rid: str,
+        model: str,
+        runs: list[_Run],
+        best_n: int | None = None,  # best_of: answer each prompt's best_n most likely runs
     ) -> Response:
         texts: list[list[str]] = [[] for _ in runs]
         timeout: RequestError | None = None
@@ -215,8 +232,11 @@ class OpenAIRoutes:
             if isinstance(term, RequestFailed):
                 return error_response(failure_error(term), rid)
         choices = [self._choice(run, "".join(texts[run.index])) for run in runs]
+        if best_n is not None:
+            choices = _best(runs, choices, best_n)
         body = full_response(runs[0].chat, rid, _created(terms[0]), model, choices,
-                             total_usage([t.usage for t in terms]))  # fmt: skip
+                             total_usage([t.usage for t in terms],
+                                         [r.prompt_index for r in runs]))  # fmt: skip
         states = {_state(t) for t in terms}
         state = "cancelled" if "cancelled" in states else "completed"
         return JSONResponse(body, headers={"X-Request-Id": rid, RUN_STATE_HEADER: state})
@@ -224,7 +244,7 @@ class OpenAIRoutes:
     def _choice(self, run: _Run, text: str) -> Choice:
         term = run.watch.terminal
         assert isinstance(term, RunCompleted | RunCancelled), "a choice of an ended run"
-        logprobs = run.logprobs.whole() if run.logprobs is not None else None
+        logprobs = run.logprobs.whole() if run.logprobs is not None and run.show_logprobs else None
         reason, content, calls = finish_reason(term), text, None
         if run.tools:
             content, calls = parse(run.watch.request_id, text)
@@ -290,7 +310,8 @@ class OpenAIRoutes:
                 if failed:
                     yield sse(error_body(failure_error(failed[0])))
                 elif include_usage and all(t is not None for t in terms):
-                    usage = total_usage([t.usage for t in terms if t is not None])
+                    prompts = [r.prompt_index for r in runs]
+                    usage = total_usage([t.usage for t in terms if t is not None], prompts)
                     yield sse(usage_chunk(chat, rid, created, model, usage))
                 yield b"data: [DONE]\n\n"
             except TimeoutError as err:
@@ -377,6 +398,18 @@ class OpenAIRoutes:
         if echo := run.take_echo():  # a run that ended before any delta
             yield chunk(echo, None, None)
         yield chunk("", reason, None)
+
+
+def _best(runs: list[_Run], choices: list[Choice], n: int) -> list[Choice]:
+    """best_of: each prompt's n candidates of highest cumulative logprob, as its choices
+    prompt * n .. prompt * n + n - 1, most likely first."""
+    best: list[Choice] = []
+    for prompt in sorted({r.prompt_index for r in runs}):
+        ranked = sorted((r for r in runs if r.prompt_index == prompt),
+                        key=lambda r: -r.cumulative_logprob)[:n]  # fmt: skip
+        for rank, run in enumerate(ranked):
+            best.append(dataclasses.replace(choices[run.index], index=prompt * n + rank))
+    return best
 
 
 def _state(term: RunCompleted | RunCancelled | RequestFailed | None) -> str:

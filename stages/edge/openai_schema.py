@@ -79,8 +79,13 @@ class StreamOptions(Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
+MAX_N = 16  # choices (n) or candidates (best_of) per prompt
+NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
+
+
 class _Common(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str
+    n: NumChoices | None = None  # choices per prompt, sampled in parallel
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: Temperature | None = None
@@ -139,6 +144,7 @@ class CompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_field
     prompt: str | list[Any]  # a string, or a list of strings, of token ids or of id lists
     logprobs: CompletionLogprobs | None = None
     echo: bool | None = None  # the prompt before the completion (with logprobs: its tokens')
+    best_of: NumChoices | None = None  # candidates per prompt; the n most likely are answered
 
     @property
     def num_logprobs(self) -> int | None:
@@ -266,6 +272,18 @@ def decode_body(body: bytes, kind: type[OpenAIRequest]) -> Any:
 
 
 def _check_together(req: OpenAIRequest) -> None:
+    if isinstance(req, CompletionRequest) and req.best_of is not None:
+        if req.best_of < (req.n or 1):
+            raise RequestError(
+                "invalid_request", f"best_of={req.best_of} is below n={req.n}; best_of >= n",
+                "best_of",
+            )  # fmt: skip
+        if req.stream and req.best_of > (req.n or 1):
+            raise RequestError(
+                "invalid_request",
+                "best_of > n cannot be streamed: the best candidates are known only at the end",
+                "best_of",
+            )
     for key in req.logit_bias or {}:
         if not key.isascii() or not key.isdigit():
             raise RequestError(
@@ -326,10 +344,12 @@ def prompts_of(req: CompletionRequest) -> list[Prompt]:
                 f"{type(p).__name__}" + (" (empty)" if p == [] else ""),
                 f"prompt[{i}]",
             )
-    if len(prompts) > MAX_PROMPTS:
+    runs = len(prompts) * num_candidates(req)
+    if runs > MAX_PROMPTS:
         raise RequestError(
             "invalid_request",
-            f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request",
+            f"prompt holds {len(prompts)} prompts, {runs} runs with n / best_of; at most "
+            f"{MAX_PROMPTS} runs per request",
             "prompt",
         )
     return prompts
@@ -427,22 +447,41 @@ _SAMPLING = (
 )
 
 
+def num_candidates(req: OpenAIRequest) -> int:
+    """Runs per prompt: best_of for completions (when given), else n."""
+    n = req.n or 1
+    return max(n, req.best_of or n) if isinstance(req, CompletionRequest) else n
+
+
+def ranks_candidates(req: OpenAIRequest) -> bool:
+    """best_of > n: the runs are ranked by their output's cumulative logprob."""
+    return num_candidates(req) > (req.n or 1)
+
+
 def to_submits(req: OpenAIRequest, **extra: Any) -> list[Submit]:
-    """One submit per choice: a chat request's one, a completions request's one per prompt
-    (several: run i gets request id `<id>-<i>` and idempotency key `<key>#<i>`)."""
-    if isinstance(req, ChatCompletionRequest):
-        return [to_submit(req, **extra)]
-    prompts = prompts_of(req)
-    if len(prompts) == 1:
+    """One submit per run: for each prompt (a chat request has one), num_candidates runs. With
+    more than one run, run r gets request id `<id>-<r>` and idempotency key `<key>#<r>`; a
+    prompt's runs after its first name that first in `fork_of` (the engine shares the prompt's
+    K/V) and sample with seed + j when a seed is given."""
+    prompts: list[Prompt | None] = [None] if isinstance(req, ChatCompletionRequest) else list(
+        prompts_of(req))  # fmt: skip
+    per_prompt = num_candidates(req)
+    if len(prompts) * per_prompt == 1:
         return [to_submit(req, prompt=prompts[0], **extra)]
     submits = []
     for i, prompt in enumerate(prompts):
-        more = dict(extra)
-        if more.get("request_id"):
-            more["request_id"] = f"{more['request_id']}-{i}"
-        if more.get("idempotency_key"):
-            more["idempotency_key"] = f"{more['idempotency_key']}#{i}"
-        submits.append(to_submit(req, prompt=prompt, **more))
+        for j in range(per_prompt):
+            r = i * per_prompt + j
+            more = dict(extra)
+            if more.get("request_id"):
+                more["request_id"] = f"{extra['request_id']}-{r}"
+                if j:
+                    more["fork_of"] = f"{extra['request_id']}-{i * per_prompt}"
+            if more.get("idempotency_key"):
+                more["idempotency_key"] = f"{extra['idempotency_key']}#{r}"
+            if req.seed is not None and j:
+                more["seed"] = (req.seed + j) % 2**63
+            submits.append(to_submit(req, prompt=prompt, **more))
     return submits
 
 
@@ -472,12 +511,14 @@ def to_submit(req: OpenAIRequest, prompt: Prompt | None = None, **extra: Any) ->
         fields["top_k"] = req.top_k
     if req.num_logprobs is not None:
         fields["logprobs"] = req.num_logprobs
+    elif ranks_candidates(req):
+        fields["logprobs"] = 0  # the sampled tokens' logprobs rank the candidates
     if req.logit_bias:
         fields["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     for name in _SAMPLING:
         value = getattr(req, name)
         if value is not None:
-            fields[name] = value
+            fields.setdefault(name, value)  # a run's own (a parallel sample's seed) stands
     try:
         return msgspec.convert(fields, Submit)
     except msgspec.ValidationError as err:

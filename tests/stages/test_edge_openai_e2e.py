@@ -247,3 +247,33 @@ async def test_echo_logprobs_and_prompt_lists_as_lm_eval_reads_them(pipeline):
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert streamed == texts
+
+
+async def test_n_and_best_of_through_every_stage(pipeline):
+    """n = 3 choices, each the text its seed gives alone (seed + j); streamed, each index's
+    chunks add up to its whole choice; best_of answers the candidate of highest cumulative
+    logprob."""
+    edge, _ = pipeline
+    client = _client(edge)
+    args = {"model": MODEL, "messages": ASK_MUL, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    three = await client.chat.completions.create(**args, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    texts = [c.message.content for c in three.choices]
+    alone = await client.chat.completions.create(**{**args, "seed": 12})
+    assert alone.choices[0].message.content == texts[1]
+    assert three.usage.prompt_tokens == alone.usage.prompt_tokens  # the prompt counts once
+    assert alone.usage.completion_tokens < three.usage.completion_tokens <= 18
+    streamed = {0: "", 1: "", 2: ""}
+    async for chunk in await client.chat.completions.create(**args, n=3, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert [streamed[i] for i in range(3)] == texts
+
+    plain = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 1.0,
+             "seed": 5, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    candidates = await client.completions.create(**plain, n=3, logprobs=0)
+    scores = [sum(c.logprobs.token_logprobs) for c in candidates.choices]
+    best = await client.completions.create(**plain, n=1, best_of=3)
+    assert len(best.choices) == 1 and best.choices[0].index == 0
+    assert best.choices[0].text == candidates.choices[scores.index(max(scores))].text
+    assert best.choices[0].logprobs is None  # not asked for: used only to rank

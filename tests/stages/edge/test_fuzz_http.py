@@ -37,7 +37,7 @@ BAD = {  # beyond the schema tests' table: the hostile values of the issue
     "model": [5, ["x"], "m" * 100_000],
     "messages": [[{"role": "user", "content": 5}], [{"role": "bot", "content": "x"}], "x"],
     "prompt": [5, [-5], {"a": 1}, [[BIG]]],
-    "n": [BIG, 2],
+    "n": [BIG, 17],
     "logit_bias": [{str(BIG): 1}, {"1": BIG}, {"x": 1}],
     "tools": [[{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}]],
     "tool_choice": [{"type": "function", "function": {"name": "nope"}}, "required"],

@@ -32,6 +32,8 @@ def test_response_bodies_follow_openai_shapes():
     assert text["object"] == "text_completion"
     assert [(c["index"], c["text"]) for c in text["choices"]] == [(0, "a"), (1, "b")]
     assert text["usage"]["total_tokens"] == 12
+    shared = total_usage([usage, usage, usage], [0, 0, 1])  # n = 2 for prompt 0: counted once
+    assert (shared.prompt_tokens, shared.completion_tokens, shared.cached_tokens) == (8, 6, 2)
     chunk = chat_chunk("r1", 10, "m", {"content": "he"}, None, index=3)
     assert chunk["id"] == "chatcmpl-r1" and chunk["choices"][0]["delta"] == {"content": "he"}
     assert chunk["choices"][0]["index"] == 3

@@ -106,6 +106,37 @@ def test_prompts_as_strings_ids_and_id_lists_are_a_submit_each():
     assert submits("x", echo=True)[0].prompt_logprobs is None  # echo without logprobs: text only
 
 
+def test_n_and_best_of_are_runs_that_fork_their_prompts_first():
+    def submits(**fields):
+        body = {"model": "m", "prompt": ["a", "b"], **fields}
+        req = decode_body(msgspec.json.encode(body), CompletionRequest)
+        return to_submits(req, request_id="r1")
+
+    runs = submits(n=2, seed=7)
+    assert [(s.prompt, s.request_id, s.fork_of, s.seed) for s in runs] == [
+        ("a", "r1-0", None, 7), ("a", "r1-1", "r1-0", 8),
+        ("b", "r1-2", None, 7), ("b", "r1-3", "r1-2", 8),
+    ]  # fmt: skip
+    assert all(s.logprobs is None for s in runs)
+    best = submits(n=1, best_of=3)
+    assert [s.fork_of for s in best] == [None, "r1-0", "r1-0", None, "r1-3", "r1-3"]
+    assert all(s.logprobs == 0 for s in best)  # the sampled tokens' logprobs rank them
+    chat = to_submits(_chat(n=3), request_id="c")
+    assert [(s.request_id, s.fork_of) for s in chat] == [
+        ("c-0", None),
+        ("c-1", "c-0"),
+        ("c-2", "c-0"),
+    ]
+    for fields, param in (({"n": 3, "best_of": 2}, "best_of"),
+                          ({"best_of": 2, "stream": True}, "best_of"),
+                          ({"n": 16, "prompt": ["a"] * 9}, "prompt")):  # fmt: skip
+        with pytest.raises(RequestError) as info:
+            decode_body(
+                msgspec.json.encode({"model": "m", "prompt": "x", **fields}), CompletionRequest
+            )
+        assert info.value.field == param
+
+
 def test_completion_defaults_and_logprobs():
     req = decode_body(b'{"model": "m", "prompt": ["Once"], "logprobs": 3}', CompletionRequest)
     submit = to_submit(req)
@@ -154,7 +185,7 @@ BAD: dict[str, list] = {
     "max_completion_tokens": ["x", 0, 8193, 1.5],
     "temperature": ["x", -0.1, 2.1, True, []],
     "top_p": [0, 1.1, "x", -1],
-    "n": [2, 0, "x", True, 1.0],
+    "n": [17, 0, "x", True, 1.5, -1],
     "stream": ["yes", 1, {}],
     "stream_options": ["x", {"include_usage": "x"}, {"bogus": True}, {"include_usage": True}],
     "stop": [1, [1], [""], ["x"] * 17, ["x" * 257], {}],
@@ -163,7 +194,7 @@ BAD: dict[str, list] = {
     "seed": [-1, "x", 1.5, 2**64],
     "logprobs": {CHAT: ["x", 1, 2], COMPLETIONS: [6, -1, True, "x", 1.5]},
     "top_logprobs": [21, -1, "x", 5],  # 5 without logprobs: true
-    "best_of": [2, "x", 0],
+    "best_of": [17, "x", 0, True],
     "echo": ["x", 1],
     "suffix": ["x", 1],
     "logit_bias": [
