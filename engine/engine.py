@@ -89,6 +89,8 @@ class EngineStats:
     num_preemptions: int
     num_prefix_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
     num_prefix_hits: int = 0  # of those, tokens whose cached K/V were reused
+    num_forked_tokens: int = 0  # prompt tokens shared by parallel samples (not computed again)
+    num_step_tokens: int = 0  # tokens the last step computed (prefill chunks and decodes)
     num_draft_tokens: int = 0  # speculative tokens verified
     num_accepted_draft_tokens: int = 0  # of those, tokens the model agreed with
     grammar_s: float = 0.0  # time spent computing grammar masks and advancing their matchers
@@ -106,6 +108,7 @@ class StepOutput:
     new_logprobs: list[list[tuple[int, float]]] | None  # per new token: sampled, then top-n
     # with params.prompt_logprobs, on the request's first output: prompt token i + 1's entry
     prompt_logprobs: list[list[tuple[int, float]]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens not computed: from the prefix cache or a fork
 
 
 class Engine:
@@ -155,6 +158,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._grammars: GrammarCache | None = None  # built with the first constrained request
         self._grammar_ns = 0
+        self._num_step_tokens = 0
 
     def add_request(
         self,
@@ -265,6 +269,7 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         batch = self.scheduler.schedule(drafts)
+        self._num_step_tokens = batch.num_batched_tokens
         if batch.is_empty:
             return outputs
         logits, prompt_rows = self.runner.run(batch.scheduled)  # [num_sampled_rows, vocab]
@@ -364,6 +369,7 @@ class Engine:
             num_output_tokens=seq.num_output_tokens,
             seed=seq.seed,
             new_logprobs=seq.logprobs[-num_new:] if want_logprobs else None,
+            num_cached_tokens=seq.num_cached_tokens,
             prompt_logprobs=(
                 seq.prompt_logprobs
                 if seq.params.prompt_logprobs is not None and seq.num_output_tokens == num_new
@@ -406,6 +412,8 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_queries=self.scheduler.num_prefix_queries,
             num_prefix_hits=self.scheduler.num_prefix_hits,
+            num_forked_tokens=self.scheduler.num_forked_tokens,
+            num_step_tokens=self._num_step_tokens,
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_accepted_draft_tokens=self.scheduler.num_accepted_draft_tokens,
             grammar_s=self._grammar_ns / 1e9,

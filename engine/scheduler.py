@@ -153,6 +153,8 @@ class Scheduler:
                     continue
                 break
             self.waiting.remove(seq)
+            if seq.num_preemptions == 0:  # as vLLM reports it: the first admission's
+                seq.num_cached_tokens = seq.num_computed_tokens
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += cached
             seq.status = SequenceStatus.RUNNING

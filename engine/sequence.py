@@ -43,6 +43,7 @@ class Sequence:
     # with params.prompt_logprobs: entry i is prompt token i + 1's (its own first, then top-n)
     prompt_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache or a fork
     cache_domain: str = ""  # prefix-cache domain (a tenant): only its own prefixes match
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache chain, full blocks
     num_offered_blocks: int = 0  # leading full blocks already offered to the prefix cache

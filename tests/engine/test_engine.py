@@ -250,7 +250,10 @@ def test_prefix_caching_reuses_blocks_and_changes_no_bit(tiny_dir):
                 ids, lps = out.setdefault(o.request_id, ([], []))
                 ids += o.new_token_ids
                 lps += o.new_logprobs
+                cached_tokens[o.request_id] = o.num_cached_tokens
         return first, out, engine.stats()
+
+    cached_tokens: dict[str, int] = {}
 
     plain_first, plain, plain_stats = run(False)
     first, cached, stats = run(True)
@@ -260,6 +263,8 @@ def test_prefix_caching_reuses_blocks_and_changes_no_bit(tiny_dir):
     # the first request computes everything; each later one finds at least the 10 full blocks
     # of the system prompt (a preempted one may find its own blocks again)
     assert stats.num_prefix_hits >= 5 * 40
+    assert all(n >= 40 for n in cached_tokens.values())  # each request's own count, reported
+    assert 1 <= stats.num_step_tokens <= 24
 
 
 def test_min_tokens_masks_stop_ids_until_reached(tiny_dir):
@@ -365,7 +370,7 @@ def test_parallel_samples_share_the_prompts_blocks_and_prefill_them_once(tiny_di
             assert seqs["c1"].block_table[:5] == seqs["c2"].block_table[:5] == shared
             assert [engine.block_manager.ref_counts[b] for b in shared] == [3] * 5
     assert shared is not None
-    assert engine.scheduler.num_forked_tokens == 2 * 20
+    assert engine.scheduler.num_forked_tokens == engine.stats().num_forked_tokens == 2 * 20
     assert computed["p"] == 23 + 5 and computed["c1"] == computed["c2"] == 3 + 5
     assert [out["p"], out["c1"], out["c2"]] == alone_out
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
