@@ -317,6 +317,7 @@ class RunFinished(Event, tag="finished"):
     prefill_ns: int = 0  # admission to first token
     decode_ns: int = 0  # first token to finish
     cancel_reason: str | None = None  # finish_reason "abort": the reason of the cancel event
+    num_preemptions: int = 0  # times the engine preempted this run (its K/V computed again)
     num_waiting: int | None = None  # engine gauges when this run finished, as on `tokens`
     num_running: int | None = None
     kv_usage: float | None = None

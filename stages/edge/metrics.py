@@ -4,9 +4,9 @@ labelled with the served `model_name`.
 Latencies are measured at the edge (submit -> first delta -> each delta -> end); queue, prefill
 and decode times, time per output token and the engine gauges come from the engine's `finished`
 / `tokens` events; token counts per request from each run's end; per-stage durations from each
-event's `service_ns`. One registry per app, so tests never clash. The events carry no
-per-step batch size, preemption count or prefix-cache counters, so vLLM's
-`iteration_tokens_total`, `num_preemptions` and `prefix_cache_queries`/`hits` are not exported.
+event's `service_ns`; preemptions and the prefix cache's queries and hits (prompt tokens looked
+up, and found cached) from each run's `finished`. One registry per app, so tests never clash.
+The events carry no per-step batch size, so vLLM's `iteration_tokens_total` is not exported.
 """
 
 from __future__ import annotations
@@ -118,6 +118,17 @@ class EdgeMetrics:
         self.generation_tokens = Counter(
             "brigade:generation_tokens", "Generated tokens.", [_LABEL], registry=r
         ).labels(model)
+        self.preemptions = Counter(
+            "brigade:num_preemptions", "Preemptions of runs by the engine.", [_LABEL], registry=r
+        ).labels(model)
+        self.prefix_queries = Counter(
+            "brigade:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            [_LABEL], registry=r,
+        ).labels(model)  # fmt: skip
+        self.prefix_hits = Counter(
+            "brigade:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+            [_LABEL], registry=r,
+        ).labels(model)  # fmt: skip
 
     def observe_event(self, event: AnyEvent) -> None:
         stage = STAGE_OF_EVENT.get(type(event).__struct_config__.tag)  # type: ignore[arg-type]
@@ -136,6 +147,9 @@ class EdgeMetrics:
             self.decode.observe(event.decode_ns / 1e9)
             if event.usage.completion_tokens > 1:
                 self.tpot.observe(event.decode_ns / 1e9 / (event.usage.completion_tokens - 1))
+            self.preemptions.inc(event.num_preemptions)
+            self.prefix_queries.inc(event.usage.prompt_tokens)
+            self.prefix_hits.inc(event.usage.cached_tokens)
         elif isinstance(event, RunCompleted | RunCancelled):
             if isinstance(event, RunCompleted):
                 self._success.labels(self.model_name, event.finish_reason).inc()

@@ -1,0 +1,31 @@
+"""The edge's metrics from the events it sees: vLLM's names with `brigade:`, every series
+labelled with the model; preemptions and prefix-cache queries / hits from each run's end."""
+
+from schemas.events import RunFinished, Usage
+from stages.edge.metrics import EdgeMetrics
+
+
+def _samples(metrics: EdgeMetrics) -> dict[str, float]:
+    lines = metrics.exposition().decode().splitlines()
+    return {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in lines
+        if line and not line.startswith("#")
+    }
+
+
+def test_preemptions_and_prefix_cache_counters_come_from_each_runs_end():
+    metrics = EdgeMetrics("m")
+    for cached, preempted in ((0, 0), (32, 2), (16, 0)):
+        usage = Usage(prompt_tokens=40, completion_tokens=3, cached_tokens=cached)
+        metrics.observe_event(
+            RunFinished(
+                request_id="r", finish_reason="stop", usage=usage, num_preemptions=preempted
+            )  # fmt: skip
+        )
+    got = _samples(metrics)
+    assert got['brigade:num_preemptions_total{model_name="m"}'] == 2
+    assert got['brigade:prefix_cache_queries_total{model_name="m"}'] == 120
+    assert got['brigade:prefix_cache_hits_total{model_name="m"}'] == 48
+    assert got['brigade:time_per_output_token_seconds_count{model_name="m"}'] == 3
+    assert all('model_name="m"' in name for name in got)
