@@ -25,9 +25,10 @@ from stages.edge.openai_schema import (
     ChatMessage,
     decode_json,
     param_of,
-    text_of,
     validate_messages,
+    wire_messages,
 )
+from stages.edge.tool_calls import Tools
 from stages.runtime import heartbeat
 
 MAX_DETOKENIZE_IDS = 1 << 17
@@ -49,6 +50,7 @@ class TokenizeCompletion(Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 class TokenizeChat(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
+    tools: Tools | None = None  # rendered into the system prompt, as for a chat request
     model: str | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
@@ -143,10 +145,7 @@ class ModelRoutes:
         self.edge.served_model(caller, req.model)
         tok = self.tokenizer
         if isinstance(req, TokenizeChat):
-            messages = [
-                {"role": "system" if m.role == "developer" else m.role, "content": text_of(m)}
-                for m in req.messages
-            ]
+            messages = wire_messages(req.messages, req.tools)
             try:
                 ids = tok.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
             except ValueError as err:

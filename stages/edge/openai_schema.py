@@ -29,6 +29,7 @@ from stages.edge.errors import RequestError
 from stages.edge.openai_params import CHAT, COMPLETIONS, check_params
 from stages.edge.tool_calls import (
     NamedToolChoice,
+    Tool,
     ToolCall,
     ToolChoice,
     Tools,
@@ -400,13 +401,16 @@ def _show_choice(choice: ToolChoice) -> str:
     return f"{choice.function.name!r}" if isinstance(choice, NamedToolChoice) else f"{choice!r}"
 
 
-def wire_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def wire_messages(
+    messages: list[ChatMessage], tools: list[Tool] | None = None
+) -> list[dict[str, str]]:
     """The conversation as the wire's system/user/assistant messages: developer as system,
     an assistant's tool calls written after its text, a tool result as a user turn in
     `<tool_response>`, and the tools (unless tool_choice is "none") in the system prompt,
-    after the request's own leading system messages (tool_calls.py has the format)."""
+    after the request's own leading system messages (tool_calls.py has the format); give
+    `tools` only when they may be called."""
     out: list[dict[str, str]] = []
-    for m in req.messages:
+    for m in messages:
         if m.role == "tool":
             out.append({"role": "user", "content": tool_result_text(text_of(m))})
         elif m.role == "assistant" and m.tool_calls:
@@ -414,9 +418,9 @@ def wire_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         else:
             out.append({"role": "system" if m.role == "developer" else m.role,
                         "content": text_of(m)})  # fmt: skip
-    if req.tools and req.calls_tools:
+    if tools:
         leading = next((i for i, m in enumerate(out) if m["role"] != "system"), len(out))
-        out.insert(leading, {"role": "system", "content": tools_prompt(req.tools)})
+        out.insert(leading, {"role": "system", "content": tools_prompt(tools)})
     return out
 
 
@@ -490,7 +494,7 @@ def to_submit(req: OpenAIRequest, prompt: Prompt | None = None, **extra: Any) ->
     when not given); `extra` carries model, request_id, api_key, idempotency_key."""
     fields: dict[str, Any] = {"model": req.model, **extra}
     if isinstance(req, ChatCompletionRequest):
-        fields["messages"] = wire_messages(req)
+        fields["messages"] = wire_messages(req.messages, req.tools if req.calls_tools else None)
         if req.retrieval is not None:
             fields["retrieval"] = req.retrieval
         max_tokens = req.max_completion_tokens or req.max_tokens

@@ -134,6 +134,14 @@ async def test_tool_calls_through_the_sdk_whole_and_streamed(pipeline):
         temperature=0.0,
     )  # fmt: skip
     assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+    auth = {"Authorization": f"Bearer {ACME_KEY}"}
+    async with httpx.AsyncClient(base_url=edge.url, headers=auth) as http:
+        counted = await http.post(
+            "/tokenize", json={"messages": ASK_MUL, "tools": [MULTIPLY, WEATHER]}
+        )
+        history_count = await http.post("/tokenize", json={"messages": history})
+    assert counted.json()["count"] == whole.usage.prompt_tokens  # the prompt the engine got
+    assert history_count.json()["count"] == answer.usage.prompt_tokens
 
 
 async def test_langchain_bind_tools_and_with_structured_output(pipeline):
