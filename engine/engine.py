@@ -109,6 +109,7 @@ class StepOutput:
     # with params.prompt_logprobs, on the request's first output: prompt token i + 1's entry
     prompt_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0  # prompt tokens not computed: from the prefix cache or a fork
+    num_preemptions: int = 0  # times this request was preempted (its K/V computed again)
 
 
 class Engine:
@@ -370,6 +371,7 @@ class Engine:
             seed=seq.seed,
             new_logprobs=seq.logprobs[-num_new:] if want_logprobs else None,
             num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
             prompt_logprobs=(
                 seq.prompt_logprobs
                 if seq.params.prompt_logprobs is not None and seq.num_output_tokens == num_new

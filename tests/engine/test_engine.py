@@ -251,9 +251,11 @@ def test_prefix_caching_reuses_blocks_and_changes_no_bit(tiny_dir):
                 ids += o.new_token_ids
                 lps += o.new_logprobs
                 cached_tokens[o.request_id] = o.num_cached_tokens
+                preempted[o.request_id] = o.num_preemptions
         return first, out, engine.stats()
 
     cached_tokens: dict[str, int] = {}
+    preempted: dict[str, int] = {}
 
     plain_first, plain, plain_stats = run(False)
     first, cached, stats = run(True)
@@ -264,6 +266,7 @@ def test_prefix_caching_reuses_blocks_and_changes_no_bit(tiny_dir):
     # of the system prompt (a preempted one may find its own blocks again)
     assert stats.num_prefix_hits >= 5 * 40
     assert all(n >= 40 for n in cached_tokens.values())  # each request's own count, reported
+    assert sum(preempted.values()) == stats.num_preemptions  # each run says how often
     assert 1 <= stats.num_step_tokens <= 24
 
 
