@@ -371,11 +371,8 @@ class EngineStage(InputService):
     ) -> None:
         """Make sure every delta is stored, store `finished`, then ack the input."""
         try:
-            for event, future in run.pending:
-                try:
-                    await future
-                except Exception:  # noqa: BLE001 - a lost pipelined ack: publish it once more
-                    await self.bus.publish(event)
+            for event, future in run.pending:  # a lost ack (a server restart): published again
+                await self.bus.acked(event, future)
             finished = self._finished_event(run, reason, num_prompt_tokens, seed)
             await self.bus.publish(finished)
             await run.held.ack()

@@ -198,5 +198,6 @@ SPEC = StageSpec(
     setup=_setup,
     skip_cancelled=False,
     on_invalid=lambda data, err, state: None,  # not ours to fail: the stage that consumes it does
+    fails_requests=False,  # a projection: what it cannot write is a dead letter, the run goes on
     max_in_flight=64,
 )

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 import nats
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
@@ -28,6 +30,7 @@ log = logging.getLogger("brigade.bus")
 MSG_ID_HEADER = "Nats-Msg-Id"
 _reply_decoder = msgspec.json.Decoder(SubmitReply)
 STREAM_NAME_IN_USE = 10058  # JetStream err_code: a stream exists with another configuration
+PUBLISH_ACK_TIMEOUT_S = 5.0  # a pipelined publish's ack, before it is published again
 # Submits wait in memory until the gateway takes them; past this the publisher is refused.
 SUBMIT_STREAM_MAX_BYTES = 256 * 1024 * 1024
 
@@ -319,7 +322,24 @@ class Bus:
         if len(events) == 1:
             return [await self.publish(events[0])]
         futures = [await self.publish_async(e) for e in events]
-        return list(await asyncio.gather(*futures))
+        return [await self.acked(e, f) for e, f in zip(events, futures, strict=True)]
+
+    async def acked(
+        self,
+        event: Event,
+        future: asyncio.Future[api.PubAck],
+        timeout_s: float = PUBLISH_ACK_TIMEOUT_S,
+    ) -> api.PubAck:
+        """The stream's ack of a pipelined publish. nats-py's future has no deadline: an ack that
+        a server restart lost never comes. Past `timeout_s`, or when the future failed, the event
+        is published again and its ack awaited (its Nats-Msg-Id stores it once)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as err:
+            future.cancel()
+            log.warning("no ack for %s (%s); publishing it again", event_tag(event),
+                        type(err).__name__)  # fmt: skip
+            return await self.publish(event)
 
     def _prepare(self, event: Event) -> tuple[str, bytes, dict[str, str]]:
         tag = event_tag(event)

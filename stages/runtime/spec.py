@@ -65,6 +65,9 @@ class StageSpec:
     # True: a handler exception (not a StageError) naks the input for redelivery instead of
     # failing the request — for stages whose errors are transient (the ledger's file lock).
     retry_errors: bool = False
+    # False for a consumer that only records what passes (the run-state projection): an input
+    # it cannot handle is a dead letter, never a `failed` event for a run that is fine.
+    fails_requests: bool = True
     # Invalid input (raw bytes, the decode error, setup's state) -> the failed event to publish
     # (None: log and ack), sync or async. Default: read the request id and tenant from the JSON.
     on_invalid: InvalidFn | None = None

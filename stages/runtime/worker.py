@@ -55,7 +55,14 @@ from schemas.bounded import decode_bounded
 from schemas.events import CancelRequested, Event, RequestFailed, RunCancelled, encode
 from stages.runtime import deadletter, heartbeat
 from stages.runtime.bus import Bus, BusConfig
-from stages.runtime.failures import StageError, error_field, new_request_id, read_envelope
+from stages.runtime.failures import (
+    Backoff,
+    StageError,
+    bus_unavailable,
+    error_field,
+    new_request_id,
+    read_envelope,
+)
 from stages.runtime.heartbeat import Heart
 from stages.runtime.pull import ContinuousPull
 from stages.runtime.service import Held, InputService, Service
@@ -91,9 +98,11 @@ class StageWorker:
     def bus(self) -> Bus:
         return self.ctx.bus
 
-    async def start(self) -> None:
-        """Streams, the cancel subscription, the advisory, the durable, setup, the service."""
-        await self.bus.ensure_streams()
+    async def start(self, stop: anyio.Event | None = None) -> None:
+        """Streams, the cancel subscription, the advisory, the durable, setup, the service.
+        While the bus is away (an election, a restart) the set-up waits and retries, with a
+        bounded backoff, until it answers or `stop` is set."""
+        await self._until_bus_answers(self.bus.ensure_streams, stop)
         if self.spec.has_input:
             self._cancel_sub = await self.ctx.cancels.subscribe(self.bus)
             consumer = self.spec.consumer()
@@ -101,7 +110,7 @@ class StageWorker:
                 subjects.max_deliveries_advisory(consumer.stream, consumer.durable),
                 cb=self._gave_up,
             )
-            await self.bus.ensure_consumer(consumer)
+            await self._until_bus_answers(lambda: self.bus.ensure_consumer(consumer), stop)
         if self.spec.setup is not None:
             self.state = await self.spec.setup(self.ctx)
         if self.spec.service is not None:
@@ -112,6 +121,45 @@ class StageWorker:
                     f"InputService (capacity, admit), not {type(self.service).__name__}"
                 )
             self.ctx.cancels.on_cancel(self.service.on_cancel)
+
+    async def _until_bus_answers(self, call, stop: anyio.Event | None) -> None:
+        backoff = Backoff()
+        while True:
+            try:
+                await call()
+                return
+            except Exception as err:  # noqa: BLE001 - only the bus being away is waited out
+                if not bus_unavailable(err) or (stop is not None and stop.is_set()):
+                    raise
+                delay = backoff.delay()
+                self.log.warning("the bus is unavailable at start (%s: %s); retrying in %.1f s",
+                                 type(err).__name__, err, delay)  # fmt: skip
+                await anyio.sleep(delay)
+
+    async def _rebind_after_reconnects(self, period_s: float = 1.0) -> None:
+        """A reconnect may follow a server restart that lost what lives in memory (the submit
+        queue and its consumer): make the streams and this stage's durable again (both
+        idempotent), so the stage goes on pulling."""
+        seen = _reconnects(self.bus)
+        backoff = Backoff()
+        while True:
+            await anyio.sleep(period_s)
+            now = _reconnects(self.bus)
+            if now == seen or not self.bus.nc.is_connected:
+                continue
+            try:
+                await self.bus.ensure_streams()
+                if self.spec.has_input:
+                    await self.bus.ensure_consumer(self.spec.consumer())
+            except Exception as err:  # noqa: BLE001 - the next period tries again
+                level = logging.WARNING if bus_unavailable(err) else logging.ERROR
+                self.log.log(level, "could not set up the streams again after a reconnect: "
+                             "%s: %s", type(err).__name__, err)  # fmt: skip
+                await anyio.sleep(backoff.delay())
+                continue
+            self.log.info("reconnected to NATS; streams and durable in place")
+            seen = now
+            backoff.reset()
 
     def decode(self, msg: Msg) -> Any:
         """The typed input, or raises msgspec.DecodeError / ValidationError (JSON too deep too)."""
@@ -213,16 +261,21 @@ class StageWorker:
             outputs = [self._failed(event, err.code, err.message, err.field, err.retry_after_s)]
         except Exception as err:  # noqa: BLE001 - a failing handler fails its request, not us
             self.log.exception("handler failed for %s", getattr(event, "request_id", None))
-            if self._retry(held):
-                await held.nak(delay=_retry_delay(held))
+            if self._retry(held, err):
+                await held.nak(delay=_retry_delay(held, err))
+                return
+            if not self.spec.fails_requests:
+                await self.bury(held, f"its handler failed: {type(err).__name__}: {err}")
                 return
             outputs = [self._failed(event, "internal", f"{type(err).__name__}: {err}", None, None)]
         await held.complete(outputs)
 
-    def _retry(self, held: Held) -> bool:
-        """Whether a handler's error is retried: only where the spec says its errors are
-        transient, and not on the last delivery (then the request fails, once)."""
-        return self.spec.retry_errors and held.num_delivered < self.spec.max_deliver
+    def _retry(self, held: Held, err: Exception) -> bool:
+        """Whether a handler's error is retried: the bus being away (an election, a restart:
+        not the request's fault), or any error where the spec says its errors are transient;
+        never on the last delivery (then the request fails, once)."""
+        transient = self.spec.retry_errors or bus_unavailable(err)
+        return transient and held.num_delivered < self.spec.max_deliver
 
     async def admit(self, held: Held) -> None:
         """The service path: decode -> (skip if cancelled) -> service.admit, which now owns it."""
@@ -236,8 +289,8 @@ class StageWorker:
             await held.fail(event, err)
         except Exception as err:  # noqa: BLE001 - a failing admission fails its request
             self.log.exception("could not admit %s", getattr(event, "request_id", None))
-            if self._retry(held):
-                await held.nak(delay=_retry_delay(held))
+            if self._retry(held, err):
+                await held.nak(delay=_retry_delay(held, err))
                 return
             await held.fail(event, StageError("internal", f"{type(err).__name__}: {err}"))
 
@@ -283,8 +336,8 @@ class StageWorker:
         except Exception as err:  # noqa: BLE001 - the bus is unwell: let the message come back
             delivered = msg.metadata.num_delivered
             self.log.warning("publish failed (delivery %d): %s", delivered, err)
-            if delivered < self.spec.max_deliver:
-                await msg.nak(delay=min(2.0**delivered * 0.1, 5.0))
+            if delivered < self.spec.max_deliver:  # the bus away: 1, 2, 4, 8 s (a restart)
+                await msg.nak(delay=min(0.5 * 2.0**delivered, 30.0))
                 return
             raise
         reply_to = (msg.headers or {}).get(subjects.REPLY_HEADER)
@@ -439,7 +492,7 @@ class StageWorker:
     async def run(self, stop: anyio.Event, ready: anyio.Event | None = None) -> None:
         """Serve until `stop` is set; then take no new input, let what is held finish for
         `drain_s`, hand back (nak) the rest, and close (the connection is the caller's)."""
-        await self.start()
+        await self.start(stop)
         stopping, halt = anyio.Event(), anyio.Event()  # halt: stop, or the service ended
         service_done = anyio.Event()
         heart = Heart(
@@ -451,6 +504,7 @@ class StageWorker:
             side.start_soon(self._keep_alive)
             side.start_soon(_relay, stop, halt)
             side.start_soon(heart.run)
+            side.start_soon(self._rebind_after_reconnects)
             async with anyio.create_task_group() as work:
                 if self.service is not None:
                     await work.start(self._run_service, stopping, service_done, halt)
@@ -507,7 +561,16 @@ class StageWorker:
             await self.spec.teardown(self.state)
 
 
-def _retry_delay(held: Held) -> float:
+def _reconnects(bus: Bus) -> int:
+    stats = getattr(bus.nc, "stats", None)  # a test's fake connection has none
+    return stats.get("reconnects", 0) if isinstance(stats, dict) else 0
+
+
+def _retry_delay(held: Held, err: Exception) -> float:
+    """0.2, 0.4, 0.8 s ... up to 5 s; for the bus being away 1, 2, 4, 8 s ... up to 30 s, so
+    the default five deliveries span a server restart or an election (15 s)."""
+    if bus_unavailable(err):
+        return min(0.5 * 2.0**held.num_delivered, 30.0)
     return min(0.1 * 2.0**held.num_delivered, 5.0)
 
 
