@@ -97,7 +97,10 @@ async def add(args, config, documents) -> int:
                 done.set()
 
     try:
-        sub = await bus.nc.subscribe(f"{subjects.EVENT_ROOT}.*.doc_*", cb=on_msg)
+        subs = [
+            await bus.nc.subscribe(subjects.all_events(tag), cb=on_msg)
+            for tag in ("doc_added", "doc_rejected")
+        ]
         await bus.nc.flush()
         for rid, (source, text) in zip(ids, documents, strict=True):
             await bus.publish(
@@ -111,7 +114,8 @@ async def add(args, config, documents) -> int:
             )
         with anyio.move_on_after(args.timeout):
             await done.wait()
-        await sub.unsubscribe()
+        for sub in subs:
+            await sub.unsubscribe()
     finally:
         await bus.close()
     if len(outcomes) < len(ids):

@@ -61,7 +61,8 @@ def questions() -> list[dict]:
 
 
 def corpus_files() -> list[Path]:
-    return sorted(DATA.rglob("*.md"))
+    """The corpus: every Markdown file under rag_data but its own README."""
+    return sorted(p for p in DATA.rglob("*.md") if p != DATA / "README.md")
 
 
 def first_hit(ranked_texts: list[str], evidence: str) -> int | None:
