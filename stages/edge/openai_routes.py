@@ -116,7 +116,10 @@ class _Run:
         return {k: v + (part[k] if part else []) for k, v in prompt.items()}
 
     def take_echo(self) -> str:
-        text, self.echo = self.echo or "", None if self.echo is None else ""
+        """With echo, the prompt's text the first time (then ""); without, ""."""
+        text = self.echo or ""
+        if self.echo is not None:
+            self.echo = ""  # sent; still not None: the prompt's logprobs come with seq 0
         return text
 
 
