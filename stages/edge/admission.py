@@ -3,13 +3,15 @@ and a request past the bound is refused at once (503 `overloaded`, Retry-After f
 
 Waiting work is the runs this edge submitted that have no first token yet. A new request's time
 to its first token is estimated as the time the runs ahead of it need to start, from the start
-rate measured over the last `window_s` (first tokens per second; with too few starts yet, their
-prompts at the measured prefill rate), plus its own prompt at the prefill rate learned from
-completed runs (`prefill_ns`), plus what first tokens took beyond such estimates lately (the
-hops, the engine's step time; learned from each run's actual wait). It is refused when runs wait and the estimate exceeds `max_wait_s`
-(batch tenants get `batch_share` of it, so interactive ones keep headroom), or when the engine
-reports its KV cache above the watermark with requests queued. A lone request is never refused
-here: whether it can ever fit the model's window is the edge's and the context stage's check.
+rate measured over the last `window_s` (first tokens per second of the time runs spent waiting:
+idle time is the clients' pace, not the engine's; with too few starts yet, their prompts at the
+measured prefill rate), plus its own prompt at the prefill rate learned from completed runs
+(`prefill_ns`), plus what first tokens took beyond such estimates lately (the hops, the engine's
+step time; learned from each run's actual wait). It is refused when runs wait and the estimate
+exceeds `max_wait_s` (batch tenants get `batch_share` of it, so interactive ones keep headroom),
+or when the engine reports its KV cache above the watermark with requests queued. A lone request
+is never refused here: whether it can ever fit the model's window is the edge's and the context
+stage's check.
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ class AdmissionGate:
         self.config = config
         self.clock = clock
         self.waiting: dict[str, Waiting] = {}
-        self.starts: deque[float] = deque()  # first tokens within window_s
+        # first tokens within window_s: (when, the busy clock then)
+        self.starts: deque[tuple[float, float]] = deque()
+        self.busy_s = 0.0  # seconds during which some run waited for its first token
+        self._ticked = clock()
         self.prefill_tok_s = config.prefill_tok_s
         self.num_prefill_samples = 0
         self.overhead_s = 0.0
@@ -87,16 +92,25 @@ class AdmissionGate:
 
     # ---- the estimate ----
 
-    def start_rate(self) -> float | None:
-        """First tokens per second over the window; None with fewer than two."""
+    def _tick(self) -> float:
+        """Advance the busy clock: it runs only while some run waits for its first token."""
         now = self.clock()
+        if self.waiting:
+            self.busy_s += now - self._ticked
+        self._ticked = now
+        return now
+
+    def start_rate(self) -> float | None:
+        """First tokens per second of busy time (while runs waited) over the window; None with
+        fewer than two, or when none had to wait. Time with nothing waiting does not count: a
+        rate measured over idle time is the clients' arrival rate, not what the engine can
+        start. It falls when runs wait and starts stop coming."""
+        now = self._tick()
         self._forget(now)
         if len(self.starts) < 2:
             return None
-        first, last = self.starts[0], self.starts[-1]
-        between = (len(self.starts) - 1) / max(last - first, 1e-3)
-        until_now = len(self.starts) / max(now - first, 1e-3)  # falls when starts stop coming
-        return min(between, until_now)
+        busy = self.busy_s - self.starts[0][1]
+        return (len(self.starts) - 1) / busy if busy > 1e-3 else None
 
     def estimate(self, prompt_tokens: int) -> Estimate:
         ahead = list(self.waiting.values())
@@ -139,11 +153,13 @@ class AdmissionGate:
                 retry_after_s=max(found.queue_s, 1.0),
             )
         self.waiting[request_id] = Waiting(
-            prompt_tokens=prompt_tokens, since=self.clock(), estimate_s=found.total_s
+            prompt_tokens=prompt_tokens, since=self._tick(), estimate_s=found.total_s
         )
 
     def release(self, request_id: str) -> None:
-        self.waiting.pop(request_id, None)
+        if request_id in self.waiting:
+            self._tick()
+            del self.waiting[request_id]
 
     # ---- what the runs tell ----
 
@@ -157,8 +173,8 @@ class AdmissionGate:
         if isinstance(event, RunFinished):
             self._learn_prefill(event)
         if isinstance(event, TokensGenerated | TextGenerated) and event.request_id in self.waiting:
-            now = self.clock()
-            self.starts.append(now)
+            now = self._tick()
+            self.starts.append((now, self.busy_s))
             self._forget(now)
             waited = self.waiting[event.request_id]
             beyond = (now - waited.since) - (waited.estimate_s - self.overhead_s)
@@ -180,5 +196,5 @@ class AdmissionGate:
         self.num_prefill_samples += 1
 
     def _forget(self, now: float) -> None:
-        while self.starts and self.starts[0] < now - self.config.window_s:
+        while self.starts and self.starts[0][0] < now - self.config.window_s:
             self.starts.popleft()

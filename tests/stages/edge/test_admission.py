@@ -65,40 +65,69 @@ def test_waiting_prompts_at_the_prefill_rate_bound_the_wait():
     assert set(gate.waiting) == {"a", "b"}  # a refusal holds nothing
 
 
+def started_one_by_one(gate: AdmissionGate, clock: Clock, n: int, wait_s: float) -> None:
+    """n runs, each waiting `wait_s` alone for its first token: the engine starts 1/wait_s."""
+    for i in range(n):
+        gate.admit(f"s{i}", 10)
+        clock.now += wait_s
+        gate.observe(first_token(f"s{i}"))
+
+
 def test_the_start_rate_bounds_the_wait_and_retry_after_grows_with_the_queue():
     clock = Clock()
     gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=1e6), clock=clock)
-    for i in range(11):  # first tokens at 10 per second
-        gate.admit(f"s{i}", 10)
-        gate.observe(first_token(f"s{i}"))
-        clock.now += 0.1
-    clock.now -= 0.1
+    started_one_by_one(gate, clock, 11, 0.1)  # 10 per second of waiting
     assert gate.start_rate() == pytest.approx(10.0)
     for i in range(4):
         gate.admit(f"w{i}", 10)  # 4 ahead -> 0.4 s
     with pytest.raises(RequestError) as shallow:
         gate.admit("w4", 10)
         gate.admit("w5", 10)  # 5 ahead at 10/s: 0.5 s, over the bound with its own prefill
-    assert shallow.value.retry_after_s == pytest.approx(0.5)
+    assert shallow.value.retry_after_s == pytest.approx(0.5, rel=1e-3)
     deep = AdmissionGate(AdmissionConfig(max_wait_s=5.0, prefill_tok_s=1e6), clock=clock)
-    deep.starts, deep.waiting = gate.starts, {}
+    started_one_by_one(deep, clock, 11, 0.1)
     for i in range(50):
         deep.admit(f"d{i}", 10)
     with pytest.raises(RequestError) as longer:
         deep.admit("d50", 10)
-    assert longer.value.retry_after_s == pytest.approx(5.0)  # 50 ahead at 10/s
+    assert longer.value.retry_after_s == pytest.approx(5.0, rel=1e-3)  # 50 ahead at 10/s
+
+
+def test_idle_time_between_requests_is_not_the_engines_pace():
+    """Clients that come one a second to an engine that starts each in 50 ms: a burst after that
+    is estimated at 20 starts per second, not at the clients' one per second."""
+    clock = Clock()
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=1e6), clock=clock)
+    for i in range(6):
+        gate.admit(f"s{i}", 10)
+        clock.now += 0.05
+        gate.observe(first_token(f"s{i}"))
+        clock.now += 0.95  # nothing waits
+    assert gate.start_rate() == pytest.approx(20.0)
+    for i in range(8):
+        gate.admit(f"b{i}", 10)  # 8 ahead at 20/s: 0.4 s, admitted
+    assert gate.estimate(10).queue_s == pytest.approx(0.4)
+
+
+def test_starts_that_never_had_to_wait_measure_nothing():
+    clock = Clock()
+    gate = AdmissionGate(AdmissionConfig(prefill_tok_s=1e6), clock=clock)
+    for i in range(5):
+        gate.admit(f"s{i}", 10)
+        gate.observe(first_token(f"s{i}"))  # started at once
+        clock.now += 1.0
+    assert gate.start_rate() is None
 
 
 def test_the_start_rate_falls_when_first_tokens_stop_coming():
     clock = Clock()
     gate = AdmissionGate(AdmissionConfig(window_s=10.0), clock=clock)
-    for i in range(5):
-        gate.admit(f"s{i}", 10)
-        gate.observe(first_token(f"s{i}"))
-        clock.now += 0.1
+    started_one_by_one(gate, clock, 5, 0.1)
     fast = gate.start_rate()
-    clock.now += 5.0  # a stalled engine: no start for 5 s
+    gate.admit("stuck", 10)
+    clock.now += 5.0  # a stalled engine: a run waits 5 s and nothing starts
     assert fast is not None and gate.start_rate() < fast / 5
+    gate.release("stuck")
     clock.now += 20.0  # past the window: nothing measured
     assert gate.start_rate() is None
 
