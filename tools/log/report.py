@@ -91,6 +91,13 @@ def summarize(con) -> dict:
         "engine_waiting_max": gauges[0],
         "kv_usage_max": gauges[1],
         "kv_usage_p95": gauges[2],
+        "retrieval": {
+            "requests": con.execute("SELECT count(*) FROM retrievals").fetchone()[0],
+            **{
+                key: _pcts(con, key, "retrievals")
+                for key in ("search_ms", "rerank_ms", "num_candidates", "num_kept", "num_tokens")
+            },
+        },
     }
 
 
@@ -107,6 +114,29 @@ def sla_lines(summary: dict, sla: Sla) -> list[SlaLine]:
 
 def _f(value: float | None, digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _retrieval_lines(r: dict) -> list[str]:
+    if not r["requests"]:
+        return []
+    out = [
+        "",
+        f"## Retrieval ({r['requests']} requests)",
+        "",
+        "| figure | P50 | P95 | P99 |",
+        "|---|---:|---:|---:|",
+    ]
+    names = {
+        "search_ms": "search (ms)",
+        "rerank_ms": "rerank (ms)",
+        "num_candidates": "candidates",
+        "num_kept": "chunks kept",
+        "num_tokens": "retrieved tokens",
+    }
+    for key, label in names.items():
+        p = r[key]
+        out.append(f"| {label} | {_f(p['p50'])} | {_f(p['p95'])} | {_f(p['p99'])} |")
+    return out
 
 
 def format_report(summary: dict, lines: list[SlaLine]) -> str:
@@ -158,6 +188,9 @@ def format_report(summary: dict, lines: list[SlaLine]) -> str:
         f"P95 {_f(s['queue_depth_p95'], 1)}; engine waiting max {_f(s['engine_waiting_max'], 0)}",
         f"- KV usage: max {_f(None if s['kv_usage_max'] is None else 100 * s['kv_usage_max'])} %, "
         f"P95 {_f(None if s['kv_usage_p95'] is None else 100 * s['kv_usage_p95'])} %",
+    ]
+    out += _retrieval_lines(s["retrieval"])
+    out += [
         "",
         "## SLA",
         "",

@@ -41,8 +41,10 @@ def _detail(event_type: str, data: dict) -> str:
             request = data.get("request", {})
             return f"{len(request.get('messages', []))} message(s)"
         case "assembled":
-            return f"{data.get('num_prompt_tokens', 0)} prompt tokens" + (
-                ", truncated" if data.get("truncated") else ""
+            return (
+                f"{data.get('num_prompt_tokens', 0)} prompt tokens"
+                + (", truncated" if data.get("truncated") else "")
+                + _retrieval_detail(data.get("retrieval"))
             )
         case "tokenized":
             return f"{len(data.get('prompt_token_ids', []))} prompt token ids"
@@ -63,6 +65,43 @@ def _detail(event_type: str, data: dict) -> str:
         case "cancel" | "cancelled":
             return str(data.get("reason"))
     return ""
+
+
+def _retrieval_detail(trace: dict | None) -> str:
+    if not trace:
+        return ""
+    return (
+        f"; retrieved {trace.get('num_kept', 0)} of {trace.get('num_candidates', 0)} chunks "
+        f"({trace.get('num_tokens', 0)} tokens), search {trace.get('search_ns', 0) / 1e6:.1f} ms, "
+        f"rerank {trace.get('rerank_ns', 0) / 1e6:.1f} ms"
+        + (f" (fell back: {trace['rerank_fallback']})" if trace.get("rerank_fallback") else "")
+    )
+
+
+def _score(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def format_retrieval(con, request_id: str) -> list[str]:
+    """The request's retrieval candidates, best first, with their scores and fate."""
+    rows = con.execute(
+        "SELECT chunk_id, source, num_tokens, vector_score, keyword_score, fused_score, "
+        "rerank_score, reason FROM retrieved_chunks WHERE request_id = ?",
+        [request_id],
+    ).fetchall()
+    if not rows:
+        return []
+    out = [
+        "",
+        f"{'chunk':<32} {'tokens':>6} {'vector':>7} {'bm25':>7} {'fused':>7} {'rerank':>7}  "
+        "fate  source",
+    ]
+    for chunk_id, source, num_tokens, vec, kw, fused, rerank, reason in rows:
+        out.append(
+            f"{chunk_id:<32} {num_tokens:>6} {_score(vec):>7} {_score(kw):>7} {_score(fused):>7} "
+            f"{_score(rerank):>7}  {reason:<5} {source}"
+        )
+    return out
 
 
 def format_trace(con, request_id: str) -> str | None:
@@ -109,6 +148,7 @@ def format_trace(con, request_id: str) -> str | None:
         [request_id],
     ).fetchall():
         out.append(f"{stage:<10} {hops:>5} {queue_ms:>10.3f} {service_ms:>11.3f}")
+    out += format_retrieval(con, request_id)
     return "\n".join(out)
 
 

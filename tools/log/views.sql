@@ -177,3 +177,32 @@ WITH steps AS (
 )
 SELECT ts_ns, sum(delta) OVER (ORDER BY ts_ns, delta ROWS UNBOUNDED PRECEDING) AS depth
 FROM steps;
+
+-- Retrieval per request (the `assembled` event's trace): collections searched, candidates,
+-- chunks kept and their prompt tokens, search and rerank time, and why the rerank fell back.
+CREATE OR REPLACE VIEW retrievals AS
+SELECT request_id, tenant, ts_ns,
+       from_json(data -> '$.retrieval.collections', '["VARCHAR"]') AS collections,
+       coalesce(TRY_CAST(data ->> '$.retrieval.num_candidates' AS INTEGER), 0) AS num_candidates,
+       coalesce(TRY_CAST(data ->> '$.retrieval.num_kept' AS INTEGER), 0) AS num_kept,
+       coalesce(TRY_CAST(data ->> '$.retrieval.num_tokens' AS INTEGER), 0) AS num_tokens,
+       coalesce(TRY_CAST(data ->> '$.retrieval.search_ns' AS BIGINT), 0) / 1e6 AS search_ms,
+       coalesce(TRY_CAST(data ->> '$.retrieval.rerank_ns' AS BIGINT), 0) / 1e6 AS rerank_ms,
+       data ->> '$.retrieval.rerank_fallback' AS rerank_fallback,
+       service_ns / 1e6 AS context_ms
+FROM ev
+WHERE type = 'assembled' AND (data -> '$.retrieval') IS NOT NULL;
+
+-- Every retrieval candidate of every request: its scores and whether it was kept (or why not).
+CREATE OR REPLACE VIEW retrieved_chunks AS
+SELECT request_id, tenant, c.chunk_id, c.collection, c.source, c.num_tokens,
+       c.vector_score, c.keyword_score, c.fused_score, c.rerank_score,
+       coalesce(c.kept, false) AS kept, coalesce(c.reason, 'kept') AS reason
+FROM (
+    SELECT request_id, tenant, unnest(from_json(data -> '$.retrieval.chunks',
+        '[{"chunk_id": "VARCHAR", "collection": "VARCHAR", "source": "VARCHAR",
+           "num_tokens": "INTEGER", "vector_score": "DOUBLE", "keyword_score": "DOUBLE",
+           "fused_score": "DOUBLE", "rerank_score": "DOUBLE", "kept": "BOOLEAN",
+           "reason": "VARCHAR"}]')) AS c
+    FROM ev WHERE type = 'assembled' AND (data -> '$.retrieval') IS NOT NULL
+);
