@@ -21,9 +21,11 @@ from stages.edge.errors import RequestError
 from stages.edge.openai_schema import usage_body
 
 # Fields a client may set in `response`; identity (request_id, api_key) comes from the edge.
-# Logprobs are served on the HTTP routes only: the delta events here carry text.
+# Logprobs (of the output or the prompt) are served on the HTTP routes only: the delta events
+# here carry text.
+LOGPROB_FIELDS = ("logprobs", "prompt_logprobs")
 CLIENT_FIELDS = frozenset(Submit.__struct_fields__) - {
-    "request_id", "api_key", "priority", "logprobs"
+    "request_id", "api_key", "priority", *LOGPROB_FIELDS
 }  # fmt: skip
 
 
@@ -70,14 +72,15 @@ def decode_client_event(frame: str | bytes) -> ClientEvent:
 
 def submit_of(event: ResponseCreate, **identity: Any) -> Submit:
     """The `response` object as a validated submit; unknown fields are refused by name."""
-    if event.response.get("logprobs") is not None:
-        raise RequestError(
-            "unsupported_parameter",
-            "logprobs are not sent on the websocket; ask POST /v1/chat/completions or "
-            "/v1/completions for them",
-            "response.logprobs",
-        )
-    fields = {k: v for k, v in event.response.items() if k != "logprobs"}
+    for name in LOGPROB_FIELDS:
+        if event.response.get(name) is not None:
+            raise RequestError(
+                "unsupported_parameter",
+                f"{name} are not sent on the websocket; ask POST /v1/chat/completions or "
+                "/v1/completions for them",
+                f"response.{name}",
+            )
+    fields = {k: v for k, v in event.response.items() if k not in LOGPROB_FIELDS}
     unknown = sorted(set(fields) - CLIENT_FIELDS)
     if unknown:
         raise RequestError(
@@ -86,14 +89,16 @@ def submit_of(event: ResponseCreate, **identity: Any) -> Submit:
             f"response.{unknown[0]}",
         )
     try:
-        submit = msgspec.convert({**fields, **identity}, Submit)
+        # str_keys: JSON object keys are text; logit_bias's are token ids
+        submit = msgspec.convert({**fields, **identity}, Submit, str_keys=True)
     except msgspec.ValidationError as err:
         field = str(err).rpartition("`$.")[2].rstrip("`").split("[")[0].split(".")[0] or None
         raise RequestError("invalid_request", f"invalid response.create: {err}", field) from None
-    if (submit.messages is None) == (submit.prompt is None):
+    given = [x for x in (submit.messages, submit.prompt, submit.prompt_token_ids) if x is not None]
+    if len(given) != 1:
         raise RequestError(
             "invalid_request",
-            "give exactly one of response.messages or response.prompt",
+            "give exactly one of response.messages, response.prompt or response.prompt_token_ids",
             "messages",
         )
     return submit

@@ -14,6 +14,8 @@ def test_response_create_is_a_submit():
     )
     assert (submit.prompt, submit.max_tokens, submit.request_id, submit.logprobs) == (
         "x", 3, "r1", None)  # fmt: skip
+    ids = submit_of(ResponseCreate(response={"prompt_token_ids": [5, 6], "logit_bias": {"5": 1}}))
+    assert (ids.prompt_token_ids, ids.logit_bias) == ([5, 6], {5: 1.0})
 
 
 @pytest.mark.parametrize(
@@ -23,6 +25,12 @@ def test_response_create_is_a_submit():
         ({"prompt": "x", "api_key": "k"}, "response.api_key", "invalid_request"),
         ({"prompt": "x", "priority": "batch"}, "response.priority", "invalid_request"),
         ({"prompt": "x", "top_p": 7}, "top_p", "invalid_request"),
+        (
+            {"prompt": "x", "prompt_logprobs": 1},
+            "response.prompt_logprobs",
+            "unsupported_parameter",
+        ),
+        ({"prompt": "x", "prompt_token_ids": [5]}, "messages", "invalid_request"),
     ],
 )
 def test_refused_fields_are_named(response, field, code):
