@@ -29,6 +29,7 @@ class Sample:
     e2e_ms: float | None = None
     num_tokens: int = 0
     gaps_ms: list[float] = field(default_factory=list)
+    retries: int = 0  # 503s answered by waiting Retry-After and sending again
 
 
 class BusTarget:
@@ -95,11 +96,21 @@ class SseTarget:
 
     name = "sse"
 
-    def __init__(self, base_url: str, api_key: str | None, timeout_s: float, model: str) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        timeout_s: float,
+        model: str,
+        *,
+        retries_on_503: int = 0,
+    ) -> None:
         self.url = base_url.rstrip("/") + "/v1/chat/completions"
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.model = model
+        # as the openai SDK does (max_retries): a 503 is waited out for its Retry-After
+        self.retries_on_503 = retries_on_503
 
     async def __aenter__(self) -> SseTarget:
         import httpx
@@ -128,26 +139,34 @@ class SseTarget:
         finish = None
         sent = time.time_ns()
         try:
-            async with self.client.stream("POST", self.url, json=body, headers=headers) as resp:
-                sample.request_id = resp.headers.get("x-request-id")
-                if resp.status_code != 200:
-                    sample.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
-                    return sample
-                async for line in resp.aiter_lines():
-                    now = time.time_ns()
-                    if not line.startswith("data: "):
+            while True:
+                async with self.client.stream("POST", self.url, json=body, headers=headers) as resp:
+                    sample.request_id = resp.headers.get("x-request-id")
+                    if resp.status_code == 503 and sample.retries < self.retries_on_503:
+                        sample.retries += 1
+                        wait = float(resp.headers.get("retry-after") or 1.0)
+                        await resp.aread()
+                        await anyio.sleep(min(wait, 60.0))
                         continue
-                    if line == "data: [DONE]":
-                        break
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        sample.error = str(chunk["error"])
+                    if resp.status_code != 200:
+                        sample.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
                         return sample
-                    choice = (chunk.get("choices") or [{}])[0]
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        deltas.append((now, content))
-                    finish = choice.get("finish_reason") or finish
+                    async for line in resp.aiter_lines():
+                        now = time.time_ns()
+                        if not line.startswith("data: "):
+                            continue
+                        if line == "data: [DONE]":
+                            break
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            sample.error = str(chunk["error"])
+                            return sample
+                        choice = (chunk.get("choices") or [{}])[0]
+                        content = (choice.get("delta") or {}).get("content")
+                        if content:
+                            deltas.append((now, content))
+                        finish = choice.get("finish_reason") or finish
+                    break
         except Exception as err:  # noqa: BLE001 - a failed request is a sample, not a crash
             sample.error = f"{type(err).__name__}: {err}"
             return sample

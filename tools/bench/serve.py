@@ -47,6 +47,7 @@ QUESTIONS = (
     "Tell me about the moon.",
 )
 SIDES = ("engine", "pipeline", "procs", "llama-server")
+RETRIES = 5  # a refused (503) request waits its Retry-After and is sent again, as SDKs do
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The targets, at 8 and 32 streams
 TARGET_OF_ENGINE = 0.90  # pipeline aggregate / engine-alone aggregate
@@ -187,6 +188,7 @@ def summary(samples: list[Sample], wall_s: float, cpu_s: dict[str, float] | None
         "completed": len(ok),
         "errors": sorted({s.error for s in samples if s.error})[:3],
         "tokens": tokens,
+        "retried": sum(s.retries for s in samples),
         "wall_s": wall_s,
         "aggregate_tps": tokens / wall_s if wall_s > 0 else 0.0,
         "ttft_ms": percentiles([s.ttft_ms for s in ok if s.ttft_ms is not None]),
@@ -247,7 +249,7 @@ def drive_http(base_url: str, api_key: str | None, model: str, items, concurrenc
     import anyio
 
     async def go():
-        async with SseTarget(base_url, api_key, 600.0, model) as target:
+        async with SseTarget(base_url, api_key, 600.0, model, retries_on_503=RETRIES) as target:
             return await run_load(target, items, concurrency=concurrency, show_progress=False)
 
     result = anyio.run(go)
@@ -512,8 +514,8 @@ def markdown(report: dict) -> str:
         f"{report['machine']}.",
         "",
         "| side | streams | aggregate tok/s | TTFT P50 ms | TTFT P95 ms | ITL P50 ms | "
-        "ITL P95 ms | per-stream tok/s P50 | CPU ms/token | completed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "ITL P95 ms | per-stream tok/s P50 | CPU ms/token | completed | 503s retried |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, by_level in sides.items():
         for c, r in sorted(by_level.items(), key=lambda kv: int(kv[0])):
@@ -521,7 +523,7 @@ def markdown(report: dict) -> str:
                 f"| {name} | {c} | {_f(r['aggregate_tps'])} | {_f(r['ttft_ms']['p50'])} | "
                 f"{_f(r['ttft_ms']['p95'])} | {_f(r['itl_ms']['p50'], 2)} | "
                 f"{_f(r['itl_ms']['p95'], 2)} | {_f(r['stream_tps']['p50'])} | "
-                f"{_f(r.get('cpu_ms_per_token_total'), 2)} | {r['completed']}/{r['requests']} |"
+                f"{_f(r.get('cpu_ms_per_token_total'), 2)} | {r['completed']}/{r['requests']} | {r.get('retried', 0)} |"
             )
     if report["targets"]:
         lines += [

@@ -108,7 +108,11 @@ def test_targets_compare_sides_at_each_level():
             "notes": ["llama-server not measured: none"],
         }
     )
-    assert "| pipeline | 8 | 380.0 |" in table and "| 8 | 0.95 | 2.11 | yes | 1.40 |" in table
+    assert (
+        "| pipeline | 8 | 380.0 |" in table
+        and "| 1/1 | 0 |" in table
+        and "| 8 | 0.95 | 2.11 | yes | 1.40 |" in table
+    )
     assert table.endswith("llama-server not measured: none")
 
 
