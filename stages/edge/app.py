@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
+from stages.edge.collection_routes import CollectionRoutes
 from stages.edge.core import Edge, EdgeConfig
 from stages.edge.errors import ErrorMiddleware, http_exception
 from stages.edge.http_limits import HttpLimits, bounded_protocol
@@ -34,6 +35,7 @@ def build_app(edge: Edge) -> Starlette:
     openai = OpenAIRoutes(edge)
     runs = RunRoutes(edge)
     served = ModelRoutes(edge)
+    stores = CollectionRoutes(edge)
 
     async def healthz(request: Request) -> Response:
         """Liveness of the edge itself (its NATS connection); /health is readiness."""
@@ -61,6 +63,13 @@ def build_app(edge: Edge) -> Starlette:
         Route("/v1/completions", openai.completions, methods=["POST"]),
         Route("/v1/runs/{request_id}", runs.get),
         Route("/v1/runs/{request_id}/stream", runs.stream),
+        Route("/v1/vector_stores", stores.create, methods=["POST"]),
+        Route("/v1/vector_stores", stores.list, methods=["GET"]),
+        Route("/v1/vector_stores/{name}", stores.get, methods=["GET"]),
+        Route("/v1/vector_stores/{name}", stores.delete, methods=["DELETE"]),
+        Route("/v1/vector_stores/{name}/files", stores.add_file, methods=["POST"]),
+        Route("/v1/vector_stores/{name}/files", stores.list_files, methods=["GET"]),
+        Route("/v1/vector_stores/{name}/files/{doc_id}", stores.delete_file, methods=["DELETE"]),
         WebSocketRoute("/v1/stream", socket),
     ]
     return Starlette(
