@@ -22,18 +22,23 @@ def register(subparsers) -> None:
     add.add_argument("files", nargs="+", type=Path, help=".txt, .md, .jsonl (a document per line)")
     add.add_argument("--nats-url", help="NATS server URLs (default: NATS_URL, else `brigade up`'s)")
     add.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for ingestion")
-    add.set_defaults(func=run_add)
+    add.set_defaults(func=run)
     ls = sub.add_parser("list", help="TENANT's collections, or one collection's documents")
     ls.add_argument("tenant")
     ls.add_argument("collection", nargs="?")
-    ls.set_defaults(func=run_list)
+    ls.set_defaults(func=run)
     rm = sub.add_parser("delete", help="delete a collection, or one document of it")
     rm.add_argument("tenant")
     rm.add_argument("collection")
     rm.add_argument("doc_id", nargs="?")
     rm.add_argument("--nats-url")
-    rm.set_defaults(func=run_delete)
+    rm.set_defaults(func=run)
     p.set_defaults(func=lambda args: (p.print_help(sys.stderr), 2)[1])
+
+
+def run(args) -> int:
+    actions = {"add": run_add, "list": run_list, "delete": run_delete}
+    return actions[args.docs_command](args)
 
 
 def ingest_id() -> str:
