@@ -63,6 +63,8 @@ class Run:
     stored: list[list[int]] = field(default_factory=list)  # a re-run: steps a dead worker stored
     restart: bool = False  # a re-run diverged: waiting for its abort, then continue after stored
     cancel: CancelRequested | None = None
+    num_cached_tokens: int = 0  # prompt tokens the engine did not compute (prefix cache, fork)
+    num_preemptions: int = 0
 
     @property
     def request_id(self) -> str:
@@ -208,6 +210,8 @@ class EngineStage(InputService):
                     cache_domain=run.event.tenant or "",  # no prefix is shared across tenants
                     # a run continuing after stored output: its grammar takes that output first
                     constrained_output_ids=run.output_ids if run.params.constraint else (),
+                    # parallel sampling: share the prompt's K/V of the run named (if in flight)
+                    fork_of=run.event.sampling.fork_of,
                 )
                 run.added_ns = time.monotonic_ns()
             except RequestRejected as err:
@@ -292,6 +296,7 @@ class EngineStage(InputService):
         self, run: Run, out: Any, took_ns: int, stats: Any, tg: anyio.abc.TaskGroup
     ) -> None:
         rid = run.request_id
+        run.num_cached_tokens, run.num_preemptions = out.num_cached_tokens, out.num_preemptions
         if out.new_token_ids and run.next_seq < len(run.stored) and not run.restart:
             # A re-run, checked step by step against what the dead worker stored.
             if list(out.new_token_ids) == run.stored[run.next_seq]:
@@ -403,7 +408,12 @@ class EngineStage(InputService):
             tenant=run.event.tenant,
             service_ns=now - added,
             finish_reason=reason,  # type: ignore[arg-type]
-            usage=Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_out),
+            usage=Usage(
+                prompt_tokens=num_prompt_tokens,
+                completion_tokens=num_out,
+                cached_tokens=min(run.num_cached_tokens, num_prompt_tokens),
+            ),
+            num_preemptions=run.num_preemptions,
             last_seq=last_seq,
             context_token_ids=ids[-run.window :] if run.window else [],
             stop=run.event.sampling.stop,

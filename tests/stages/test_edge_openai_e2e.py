@@ -285,3 +285,34 @@ async def test_n_and_best_of_through_every_stage(pipeline):
     assert len(best.choices) == 1 and best.choices[0].index == 0
     assert best.choices[0].text == candidates.choices[scores.index(max(scores))].text
     assert best.choices[0].logprobs is None  # not asked for: used only to rank
+
+
+async def test_cached_tokens_forks_and_the_prefix_cache_metrics(pipeline):
+    """A prompt sent twice: the second answer's usage counts the prefix cache's tokens; n = 2:
+    the second run's prompt K/V are the first's (its run record counts them cached); the
+    metrics count the lookups and hits."""
+    edge, _ = pipeline
+    client = _client(edge)
+    long = [{"role": "user", "content": "Describe the sea. " * 30}]
+    args = {"model": MODEL, "messages": long, "max_tokens": 2, "temperature": 0}
+    first = await client.chat.completions.create(**args)
+    again = await client.chat.completions.create(**args)
+    before = first.usage.prompt_tokens_details.cached_tokens  # the template's framing, at most
+    assert before <= 16
+    assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 16
+    fresh = [{"role": "user", "content": "Describe the mountains. " * 30}]
+    pair = await client.chat.completions.create(**{**args, "messages": fresh}, n=2)
+    rid = pair.id.removeprefix("chatcmpl-")
+    auth = {"Authorization": f"Bearer {ACME_KEY}"}
+    async with httpx.AsyncClient(base_url=edge.url, headers=auth) as http:
+        runs = [(await http.get(f"/v1/runs/{rid}-{i}")).json() for i in (0, 1)]
+        text = (await http.get("/metrics")).text
+    cached = [run["usage"]["prompt_tokens_details"]["cached_tokens"] for run in runs]
+    assert cached[0] <= 16  # the first computes the prompt (but the template's framing) ...
+    assert cached[1] >= pair.usage.prompt_tokens - 16  # ... once: the second shares its blocks
+    samples = {line.split(" ")[0]: float(line.split(" ")[1])
+               for line in text.splitlines() if line and not line.startswith("#")}  # fmt: skip
+    hits = samples[f'brigade:prefix_cache_hits_total{{model_name="{MODEL}"}}']
+    queries = samples[f'brigade:prefix_cache_queries_total{{model_name="{MODEL}"}}']
+    assert 0 < hits < queries
+    assert f'brigade:num_preemptions_total{{model_name="{MODEL}"}}' in samples
