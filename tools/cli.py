@@ -23,6 +23,7 @@ COMMANDS = [
     "tools.docs",
     "tools.usage",
     "tools.config",
+    "tools.chaos",
 ]
 BENCH = [
     "tools.bench.pipeline",

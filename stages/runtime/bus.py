@@ -150,8 +150,11 @@ class Bus:
                 pass
         try:
             await self.nc.drain()
-        except Exception:  # noqa: BLE001 - already closing; nothing left to protect
-            await self.nc.close()
+        except Exception:  # noqa: BLE001 - already closing, or reconnecting: nothing to drain
+            try:
+                await self.nc.close()
+            except Exception as err:  # noqa: BLE001 - its socket is gone already (uvloop raises)
+                log.debug("closing the NATS connection: %s", err)
 
     # ---- set-up (idempotent) ----
 

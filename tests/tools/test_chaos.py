@@ -1,0 +1,53 @@
+"""`brigade chaos` at a small scale: its own deployment (a nats-server and `brigade up --procs`),
+two streams per fault while detokenize is killed, the engine is killed mid-decode and poison
+lands on every subject; nothing is lost, billed twice or billed after its client was told it
+failed. Plus the table and the stall arithmetic."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from schemas import subjects
+from tools import chaos
+
+
+def test_the_longest_stall_is_the_widest_gap_between_pieces() -> None:
+    o = chaos.Outcome(prompt=0, arrivals=[10.0, 10.5, 13.0, 13.1])
+    assert o.longest_stall_s == pytest.approx(2.5)
+    assert chaos.Outcome(prompt=0).longest_stall_s == 0.0
+
+
+def test_the_table_has_a_row_per_fault_and_every_column() -> None:
+    rows = [chaos.Row(fault="none (baseline)", sent=2, completed=2, longest_stall_s=0.25),
+            chaos.Row(fault="kill:engine", sent=2, completed=1, failed_clear=1)]  # fmt: skip
+    lines = chaos.table(rows).splitlines()
+    assert lines[0] == "| " + " | ".join(chaos.COLUMNS) + " |"
+    assert lines[2] == "| none (baseline) | 2 | 2 | 0 | 0 | 0 | 0 | 0 | 0 | 0.2 |"
+    assert lines[3].startswith("| kill:engine | 2 | 1 | 1 |")
+
+
+def test_poison_reaches_llm_in_and_every_event_subject() -> None:
+    found = {subject for subject, _ in chaos.poisons()}
+    assert subjects.SUBMIT in found
+    for tag in chaos.EVENT_SUBJECT_TAGS:
+        assert subjects.event_subject("chaos-x", tag) in found
+
+
+@pytest.mark.nats
+def test_a_small_chaos_run_loses_nothing_and_bills_nothing_wrongly(tmp_path) -> None:
+    deploy = chaos.Deployment(tmp_path, ack_wait_s=3.0)
+    try:
+        deploy.start()
+        rows = anyio.run(
+            lambda: chaos.run_faults(deploy, ("kill:detokenize", "kill:engine", "poison"), 2, 6),
+            backend="asyncio", backend_options={"use_uvloop": True},
+        )  # fmt: skip
+    finally:
+        deploy.stop()
+    assert [r.fault for r in rows] == ["none (baseline)", "kill:detokenize", "kill:engine",
+                                       "poison"]  # fmt: skip
+    for row in rows:
+        assert row.sent == 2 and row.completed == 2, row  # a killed stage comes back: resumed
+        assert (row.lost, row.billed_twice, row.told_failed_but_billed) == (0, 0, 0), row
+        assert row.duplicated_text == 0, row

@@ -1,0 +1,460 @@
+"""`brigade chaos`: streamed load through the edge while faults strike in turn, one row per fault.
+
+It starts its own deployment (a nats-server on a fixed loopback port with a persistent store,
+and `brigade up --procs` on it), streams an uninterrupted baseline, then for each fault streams
+the same prompts and strikes once the first tokens flow: SIGKILL of a stage's process (found by
+its heartbeat; `kill:engine` is the engine mid-decode), a whole NATS restart on its port and
+store, or a poison on llm.in and on every event subject. Each row counts, from what the client
+saw and what the log holds: requests sent, completed, failed with a clear error (an OpenAI
+error with a code), lost (accepted, never terminal), duplicated text (the client got more than
+the log's text), text differing from the baseline, billed twice, told failed but billed, and
+the longest stall between two pieces of one stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+STAGE_FAULTS = ("gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger",
+                "archiver", "sweeper", "edge")  # fmt: skip
+FAULTS = (*(f"kill:{s}" for s in STAGE_FAULTS), "nats-restart", "poison")
+PROMPTS = ("Count to ten.", "Name three colors.", "What is the capital of France?",
+           "Write a haiku about the sea.", "List four fruits.", "Say hello in Spanish.")  # fmt: skip
+EVENT_SUBJECT_TAGS = ("accepted", "authorized", "assembled", "tokenized", "tokens", "finished",
+                      "text", "cancel", "completed", "cancelled", "failed", "billed")  # fmt: skip
+API_KEY = "brg-chaos-dev-key-0000000000000000000"
+END_TIMEOUT_S = 240.0
+# The edge's admission may wait this long for a first token: the load measures faults, so the
+# edge must not refuse it as overload (BRIGADE_EDGE_MAX_WAIT_S, 0.5 s by default).
+ADMISSION_WAIT_S = 120.0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("chaos", help="streamed load while each fault strikes; a table")
+    p.add_argument("--faults", default=",".join(FAULTS),
+                   help=f"comma-separated, in order (default: all of {', '.join(FAULTS)})")  # fmt: skip
+    p.add_argument("--requests", type=int, default=6, help="concurrent streams per fault")
+    p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request")
+    p.add_argument("--ack-wait", type=float, default=5.0,
+                   help="the deployment's BRIGADE_ACK_WAIT_S: how soon a dead worker's input "
+                   "comes back (default 5)")  # fmt: skip
+    p.add_argument("--data-dir", type=Path, help="where the deployment lives (default: a temp dir)")
+    p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Outcome:
+    """What one client saw of one streamed request."""
+
+    prompt: int
+    rid: str | None = None
+    status: int | None = None
+    text: str = ""
+    error: dict | None = None  # the OpenAI error, as an HTTP body or an SSE error event
+    done: bool = False  # [DONE] arrived
+    arrivals: list[float] = field(default_factory=list)  # monotonic times: start, each piece
+
+    @property
+    def completed(self) -> bool:
+        return self.status == 200 and self.done and self.error is None
+
+    @property
+    def longest_stall_s(self) -> float:
+        gaps = [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
+        return max(gaps, default=0.0)
+
+
+@dataclass
+class Row:
+    fault: str
+    sent: int = 0
+    completed: int = 0
+    failed_clear: int = 0
+    lost: int = 0
+    duplicated_text: int = 0
+    differing_text: int = 0
+    billed_twice: int = 0
+    told_failed_but_billed: int = 0
+    longest_stall_s: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)  # what the failed ones were told
+
+
+class Deployment:
+    """A nats-server on a fixed port and persistent store, and `brigade up --procs` on it."""
+
+    def __init__(self, data_dir: Path, ack_wait_s: float) -> None:
+        self.data_dir = data_dir
+        self.ack_wait_s = ack_wait_s
+        self.server = None
+        self.proc: subprocess.Popen | None = None
+        self.edge_port = _free_port()
+
+    @property
+    def edge_url(self) -> str:
+        return f"http://127.0.0.1:{self.edge_port}"
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        from stages.runtime import natsd
+
+        self.server = natsd.start(self.data_dir / "nats")
+        env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "BRIGADE_ARCHIVE_DIR")}
+        env.update(BRIGADE_DATA_DIR=str(self.data_dir), BRIGADE_EDGE_PORT=str(self.edge_port),
+                   BRIGADE_API_KEY=API_KEY, BRIGADE_ACK_WAIT_S=str(self.ack_wait_s),
+                   BRIGADE_EDGE_MAX_WAIT_S=str(ADMISSION_WAIT_S))  # fmt: skip
+        log_path = self.data_dir / "up.log"
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tools.cli", "up", "--procs", "--nats-url", self.server.url],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while b"Brigade is up" not in log_path.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"brigade up did not come up; see {log_path}")
+            time.sleep(0.2)
+
+    def config(self):
+        from stages.runtime.bus import BusConfig
+
+        return BusConfig(servers=(self.server.url,))
+
+    def restart_nats(self, down_s: float = 1.0) -> None:
+        from urllib.parse import urlparse
+
+        from stages.runtime import natsd
+
+        port = urlparse(self.server.url).port
+        natsd.stop(self.server)
+        time.sleep(down_s)
+        self.server = natsd.start(self.data_dir / "nats", port=port)
+
+    def stop(self) -> None:
+        from stages.runtime import natsd
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the group it leads: its stages
+                self.proc.wait()
+        if self.server is not None:
+            natsd.stop(self.server)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def poisons() -> list[tuple[str, bytes]]:
+    """(subject, payload): too deep, truncated, wrong types, not UTF-8, huge, on every subject."""
+    from schemas import subjects
+
+    deep = b"[" * 1000 + b"]" * 1000
+    out = []
+    for tag in ("submit", *EVENT_SUBJECT_TAGS):
+        subject = subjects.SUBMIT if tag == "submit" else subjects.event_subject("chaos-x", tag)
+        t = tag.encode()
+        out += [
+            (subject, b'{"request_id": "chaos-deep-' + t + b'", "x": ' + deep + b"}"),
+            (subject, b'{"type": "' + t + b'", "seq": 1, "token_ids": [1, 2'),
+            (
+                subject,
+                b'{"request_id": "chaos-types-'
+                + t
+                + b'", "type": "'
+                + t
+                + b'", "seq": "one", "tenant": 5, "usage": []}',
+            ),  # fmt: skip
+            (subject, b"\xff\xfe\x00{"),
+        ]
+    out.append(
+        (subjects.event_subject("chaos-x", "tokens"), b'{"pad": "' + b"a" * (2 << 20) + b'"}')
+    )
+    return out
+
+
+async def stream_one(http, i: int, max_tokens: int) -> Outcome:
+    out = Outcome(prompt=i % len(PROMPTS), arrivals=[time.monotonic()])
+    body = {"model": "smollm2-135m", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": PROMPTS[out.prompt]}]}  # fmt: skip
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            out.rid, out.status = r.headers.get("x-request-id"), r.status_code
+            if r.status_code != 200:
+                out.error = _error_of(await r.aread())
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                out.arrivals.append(time.monotonic())
+                if line == "data: [DONE]":
+                    out.done = True
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                if "error" in chunk:
+                    out.error = chunk["error"]
+                    continue
+                for choice in chunk["choices"]:
+                    out.text += choice["delta"].get("content") or ""
+    except Exception as err:  # noqa: BLE001 - a cut connection is an outcome, not a crash
+        out.error = out.error or {"code": None, "message": f"{type(err).__name__}: {err}"}
+    return out
+
+
+def _error_of(body: bytes) -> dict:
+    try:
+        return json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return {"code": None, "message": body[:200].decode(errors="replace")}
+
+
+async def drive(edge_url: str, config, n: int, max_tokens: int,
+                strike: Callable[[], Awaitable[None]] | None) -> list[Outcome]:  # fmt: skip
+    """`n` concurrent streams; `strike()` once some run's first tokens are stored."""
+    import anyio
+    import httpx
+
+    results: list[Outcome] = []
+
+    async def one(i: int) -> None:
+        results.append(await stream_one(http, i, max_tokens))
+
+    async with httpx.AsyncClient(base_url=edge_url, timeout=END_TIMEOUT_S) as http:
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(one, i)
+            if strike is not None:
+                await _first_tokens(config)
+                await strike()
+    return sorted(results, key=lambda o: o.prompt)
+
+
+async def _first_tokens(config, timeout_s: float = 60.0) -> None:
+    import anyio
+
+    from schemas import subjects
+    from stages.runtime.bus import Bus
+
+    bus = await Bus.connect(config)
+    try:
+        start = (await bus.js.stream_info(subjects.EVENTS_STREAM)).state.last_seq
+        with anyio.move_on_after(timeout_s):
+            while True:
+                info = await bus.js.stream_info(
+                    subjects.EVENTS_STREAM, subjects_filter=subjects.all_events("tokens")
+                )
+                if info.state.last_seq > start and info.state.subjects:
+                    return
+                await anyio.sleep(0.02)
+    finally:
+        await bus.close()
+
+
+async def audit(fault: str, config, outcomes: list[Outcome], baseline: dict[int, str]) -> Row:
+    """Each outcome against what the log holds for its run (waiting up to 60 s for its end)."""
+    import anyio
+
+    from schemas.events import RequestFailed, RunBilled, RunCancelled, RunCompleted, TextGenerated
+    from stages.runtime.bus import Bus
+
+    row = Row(fault=fault, sent=len(outcomes))
+    bus = await Bus.connect(config)
+    try:
+        for o in outcomes:
+            row.longest_stall_s = max(row.longest_stall_s, o.longest_stall_s)
+            if o.completed:
+                row.completed += 1
+                row.differing_text += int(o.prompt in baseline and o.text != baseline[o.prompt])
+            elif o.error is not None and o.error.get("code"):
+                row.failed_clear += 1
+            if o.error is not None:
+                told = f"{o.status} {o.error.get('code')}: {str(o.error.get('message'))[:80]}"
+                row.errors[told] = row.errors.get(told, 0) + 1
+            if o.rid is None:
+                continue
+            events: list = []
+            with anyio.move_on_after(60.0):
+                while True:
+                    events = await bus.replay(o.rid)
+                    ends = [e for e in events if isinstance(e, RunCompleted | RunCancelled
+                                                               | RequestFailed)]  # fmt: skip
+                    billed = [e for e in events if isinstance(e, RunBilled)]
+                    if ends and billed or (o.status not in (200, None) and not events):
+                        break
+                    await anyio.sleep(0.5)
+            ends = [e for e in events if isinstance(e, RunCompleted | RunCancelled | RequestFailed)]
+            accepted = any(type(e).__name__ == "RequestAccepted" for e in events)
+            row.lost += int(accepted and not ends)
+            texts: dict[int, str] = {}
+            for e in events:
+                if isinstance(e, TextGenerated):
+                    texts.setdefault(e.seq, e.text)
+            logged = "".join(texts[s] for s in sorted(texts))
+            row.duplicated_text += int(len(o.text) > len(logged))
+            billed = {(e.billing_key, e.status) for e in events if isinstance(e, RunBilled)}
+            row.billed_twice += int(len({key for key, _ in billed}) > 1)
+            told_failed = not o.completed
+            row.told_failed_but_billed += int(told_failed and any(s == "completed"
+                                                                   for _, s in billed))  # fmt: skip
+    finally:
+        await bus.close()
+    return row
+
+
+async def _kill(config, stage: str, killed: set[int]) -> None:
+    """SIGKILL every worker of `stage` on this host (from their heartbeats); adds to `killed`."""
+    from schemas import subjects
+    from stages.runtime import heartbeat
+    from stages.runtime.bus import Bus
+
+    bus = await Bus.connect(config)
+    try:
+        kv = await bus.kv(subjects.STAGES_BUCKET, ttl_s=heartbeat.TTL_S)
+        host = socket.gethostname()
+        pids = {b.pid for b in await heartbeat.beats(kv) if b.stage == stage and b.host == host}
+    finally:
+        await bus.close()
+    if not pids:
+        raise RuntimeError(f"no worker of {stage} beats on this host")
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+        killed.add(pid)
+
+
+async def _poison(config) -> None:
+    from stages.runtime.bus import Bus
+
+    bus = await Bus.connect(config)
+    try:
+        for subject, payload in poisons():
+            await bus.js.publish(subject, payload)
+    finally:
+        await bus.close()
+
+
+async def _wait_ready(deploy: Deployment, stages: tuple[str, ...], killed: set[int],
+                      timeout_s: float = 300.0) -> None:  # fmt: skip
+    """Until every stage beats ready from a process not `killed` (`up` restarts a killed one;
+    the dead one's last beat lingers for the bucket's TTL) and the edge answers."""
+    import anyio
+    import httpx
+
+    from schemas import subjects
+    from stages.runtime import heartbeat
+    from stages.runtime.bus import Bus
+
+    with anyio.fail_after(timeout_s):
+        while True:
+            try:
+                bus = await Bus.connect(deploy.config())
+                try:
+                    kv = await bus.kv(subjects.STAGES_BUCKET, ttl_s=heartbeat.TTL_S)
+                    found = await heartbeat.beats(kv)
+                finally:
+                    await bus.close()
+                ready = {b.stage for b in found if b.ready and b.pid not in killed}
+                async with httpx.AsyncClient(base_url=deploy.edge_url, timeout=2) as http:
+                    edge_up = (await http.get("/healthz")).status_code == 200
+                if set(stages) <= ready and edge_up:
+                    return
+            except Exception:  # noqa: BLE001 - the bus or the edge still restarting: ask again
+                pass
+            await anyio.sleep(0.5)
+
+
+async def run_faults(deploy: Deployment, faults: tuple[str, ...], n: int, max_tokens: int,
+                     report: Callable[[Row], None] = lambda row: None) -> list[Row]:  # fmt: skip
+    """The baseline row, then one row per fault, each after every stage beats ready again."""
+    from tools.stage import available
+
+    stages = available()
+    config = deploy.config()
+    killed: set[int] = set()
+    await _wait_ready(deploy, stages, killed)
+    outcomes = await drive(deploy.edge_url, config, n, max_tokens, None)
+    baseline = {o.prompt: o.text for o in outcomes if o.completed}
+    rows = [await audit("none (baseline)", config, outcomes, baseline)]
+    report(rows[-1])
+    for fault in faults:
+        if fault.startswith("kill:"):
+            stage = fault.removeprefix("kill:")
+
+            async def strike(s: str = stage) -> None:
+                await _kill(config, s, killed)
+        elif fault == "nats-restart":
+
+            async def strike() -> None:
+                import anyio
+
+                await anyio.to_thread.run_sync(deploy.restart_nats)
+        elif fault == "poison":
+
+            async def strike() -> None:
+                await _poison(config)
+        else:
+            raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
+        outcomes = await drive(deploy.edge_url, config, n, max_tokens, strike)
+        rows.append(await audit(fault, config, outcomes, baseline))
+        report(rows[-1])
+        await _wait_ready(deploy, stages, killed)
+    return rows
+
+
+COLUMNS = ("fault", "sent", "completed", "failed_clear", "lost", "duplicated_text",
+           "differing_text", "billed_twice", "told_failed_but_billed", "longest_stall_s")  # fmt: skip
+
+
+def table(rows: list[Row]) -> str:
+    head = "| " + " | ".join(COLUMNS) + " |"
+    lines = [head, "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    for row in rows:
+        values = asdict(row)
+        cells = [f"{values[c]:.1f}" if c == "longest_stall_s" else str(values[c]) for c in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    import anyio
+
+    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown or args.requests < 1 or args.max_tokens < 1:
+        print(f"brigade chaos: unknown fault(s) {unknown} (choose from {', '.join(FAULTS)}); "
+              "--requests and --max-tokens must be >= 1", file=sys.stderr)  # fmt: skip
+        return 2
+    with tempfile.TemporaryDirectory(prefix="brigade-chaos-") as tmp:
+        data_dir = args.data_dir or Path(tmp)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        deploy = Deployment(data_dir, args.ack_wait)
+        print(f"brigade chaos: starting a deployment in {data_dir} ...", file=sys.stderr)
+        try:
+            deploy.start()
+            rows = anyio.run(
+                lambda: run_faults(deploy, faults, args.requests, args.max_tokens,
+                                   lambda r: print(f"  {r.fault}: done", file=sys.stderr)),
+                backend="asyncio", backend_options={"use_uvloop": True},
+            )  # fmt: skip
+        finally:
+            deploy.stop()
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    bad = [r.fault for r in rows if r.lost or r.billed_twice or r.told_failed_but_billed]
+    return 1 if bad else 0
