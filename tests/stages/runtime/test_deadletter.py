@@ -1,9 +1,11 @@
 """The dead-letter path: an input no stage can decode and no request id names is recorded once
 (reason, subject, seq) and terminated; an on_invalid that raises buries it too; a transient
-handler error is retried only until the last delivery, then fails its request once."""
+handler error, or the bus being away, is retried only until the last delivery, then fails its
+request once; a projection (fails_requests=False) buries what it cannot write instead."""
 
 from __future__ import annotations
 
+import nats.js.errors
 import pytest
 
 from schemas import subjects
@@ -97,3 +99,31 @@ async def test_a_transient_error_is_retried_until_the_last_delivery_then_fails_o
     (failed,) = bus.server.events("llm.ev.*.failed")
     assert failed.request_id == "p4" and failed.code == "internal"
     assert "locked" in failed.message
+
+
+async def test_the_bus_being_away_is_retried_not_a_failed_request() -> None:
+    def handle(event, state):
+        raise nats.js.errors.ServiceUnavailableError(code=503, description="leader election")
+
+    bus = FakeBus()
+    worker = await stage_worker(_spec(handle=handle, max_deliver=3), bus)
+    first = await deliver(worker, _accepted("p5"), num_delivered=1)
+    assert (first.outcome, first.nak_delay) == ("nak", 1.0)  # 1, 2, 4 s ... spans an election
+    assert not bus.server.events("llm.ev.*.failed")
+    last = await deliver(worker, _accepted("p5"), num_delivered=3)
+    assert last.outcome == "ack"  # out of deliveries: the request fails, once
+    (failed,) = bus.server.events("llm.ev.*.failed")
+    assert failed.request_id == "p5" and "ServiceUnavailableError" in failed.message
+
+
+async def test_a_projection_buries_what_it_cannot_write_and_fails_no_run() -> None:
+    def handle(event, state):
+        raise OSError("the bucket refused the write")
+
+    bus = FakeBus()
+    worker = await stage_worker(_spec(handle=handle, fails_requests=False), bus)
+    msg = await deliver(worker, _accepted("p6"))
+    assert msg.outcome == "term"
+    (letter,) = _letters(bus)
+    assert letter.request_id == "p6" and "the bucket refused the write" in letter.reason
+    assert not bus.server.events("llm.ev.*.failed")
