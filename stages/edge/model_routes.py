@@ -20,14 +20,9 @@ from engine.tokenizer import Tokenizer
 from schemas import subjects
 from stages.edge.core import Edge
 from stages.edge.errors import RequestError, error_response
+from stages.edge.openai_messages import ChatMessage, validate_messages, wire_messages
 from stages.edge.openai_routes import read_body
-from stages.edge.openai_schema import (
-    ChatMessage,
-    decode_json,
-    param_of,
-    validate_messages,
-    wire_messages,
-)
+from stages.edge.openai_schema import decode_json, param_of
 from stages.edge.tool_calls import Tools
 from stages.runtime import heartbeat
 
