@@ -43,7 +43,7 @@ class _Envelope(msgspec.Struct):
 
 
 _envelope_decoder = msgspec.json.Decoder(_Envelope)
-_FIELD_AT = re.compile(r"at `\$\.?([^`]*)`")
+_FIELD_AT = re.compile(r"(?:at|in) `\$\.?([^`]*)`")  # "at `key` in `$.x`": a dict key of x
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 

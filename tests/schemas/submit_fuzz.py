@@ -69,6 +69,11 @@ BAD: dict[str, list[object]] = {
     "guided_regex": ["", 5, "x" * 100_001, "(("],
     "guided_choice": [[], [""], "x", ["a"] * 257, [5]],
     "guided_grammar": ["", 5, []],
+    "logit_bias": [5, "x", [1], {"x": 1}, {"-1": 1}, {"1": 101}, {"1": -100.5}, {"1": "x"},
+                   {str(VOCAB_CEILING): 1}, {str(i): 1 for i in range(1025)}],
+    "prompt_logprobs": [-1, 21, BIG, "x", 1.5],
+    "prompt_token_ids": [5, "x", [], [-1], [VOCAB_CEILING], [BIG], ["a"], [1.5], {"a": 1}],
+    "fork_of": [5, "a.b", "x" * 65, "", [], {"a": 1}],
 }  # fmt: skip
 
 

@@ -11,6 +11,8 @@ def test_error_field_reads_msgspec_paths() -> None:
     missing_role = ValueError("Object missing required field `role` - at `$.messages[0]`")
     assert error_field(missing_role) == "messages[0].role"
     assert error_field(ValueError("JSON is malformed: invalid character (byte 0)")) is None
+    bad_key = ValueError("Expected `int` >= 0 - at `key` in `$.logit_bias`")  # a dict's key
+    assert error_field(bad_key) == "logit_bias"
 
 
 def test_read_envelope_keeps_only_valid_ids() -> None:
