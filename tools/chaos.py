@@ -2,9 +2,10 @@
 
 It starts its own deployment (a nats-server on a fixed loopback port with a persistent store,
 and `brigade up --procs` on it), streams an uninterrupted baseline, then for each fault streams
-the same prompts and strikes once the first tokens flow: SIGKILL of a stage's process (found by
-its heartbeat; `kill:engine` is the engine mid-decode), a whole NATS restart on its port and
-store, or a poison on llm.in and on every event subject. Each row counts, from what the client
+the same prompts and strikes once the first tokens flow (the stages ahead of the engine: just
+before the load): SIGKILL of a stage's process (found by its heartbeat; `kill:engine` is the
+engine mid-decode), a whole NATS restart on its port and store, or a poison on llm.in and on
+every event subject. Each row counts, from what the client
 saw and what the log holds: requests sent, completed, failed with a clear error (an OpenAI
 error with a code), lost (accepted, never terminal), duplicated text (the client got more than
 the log's text), text differing from the baseline, billed twice, told failed but billed, and
@@ -28,6 +29,9 @@ from pathlib import Path
 STAGE_FAULTS = ("gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger",
                 "archiver", "sweeper", "edge")  # fmt: skip
 FAULTS = (*(f"kill:{s}" for s in STAGE_FAULTS), "nats-restart", "poison")
+# Struck just before the load: the stages ahead of the engine pass a request in milliseconds,
+# so their requests wait in the durable for the restarted worker. The rest strike mid-decode.
+EARLY_FAULTS = ("kill:gateway", "kill:auth", "kill:context", "kill:tokenize")
 PROMPTS = ("Count to ten.", "Name three colors.", "What is the capital of France?",
            "Write a haiku about the sea.", "List four fruits.", "Say hello in Spanish.")  # fmt: skip
 EVENT_SUBJECT_TAGS = ("accepted", "authorized", "assembled", "tokenized", "tokens", "finished",
@@ -225,8 +229,10 @@ def _error_of(body: bytes) -> dict:
 
 
 async def drive(edge_url: str, config, n: int, max_tokens: int,
-                strike: Callable[[], Awaitable[None]] | None) -> list[Outcome]:  # fmt: skip
-    """`n` concurrent streams; `strike()` once some run's first tokens are stored."""
+                strike: Callable[[], Awaitable[None]] | None,
+                early: bool = False) -> list[Outcome]:  # fmt: skip
+    """`n` concurrent streams; `strike()` once some run's first tokens are stored, or, `early`,
+    just before the streams start (a stage ahead of the engine is passed in milliseconds)."""
     import anyio
     import httpx
 
@@ -236,10 +242,12 @@ async def drive(edge_url: str, config, n: int, max_tokens: int,
         results.append(await stream_one(http, i, max_tokens))
 
     async with httpx.AsyncClient(base_url=edge_url, timeout=END_TIMEOUT_S) as http:
+        if strike is not None and early:
+            await strike()
         async with anyio.create_task_group() as tg:
             for i in range(n):
                 tg.start_soon(one, i)
-            if strike is not None:
+            if strike is not None and not early:
                 await _first_tokens(config)
                 await strike()
     return sorted(results, key=lambda o: o.prompt)
@@ -409,7 +417,8 @@ async def run_faults(deploy: Deployment, faults: tuple[str, ...], n: int, max_to
                 await _poison(config)
         else:
             raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
-        outcomes = await drive(deploy.edge_url, config, n, max_tokens, strike)
+        early = fault in EARLY_FAULTS
+        outcomes = await drive(deploy.edge_url, config, n, max_tokens, strike, early)
         rows.append(await audit(fault, config, outcomes, baseline))
         report(rows[-1])
         await _wait_ready(deploy, stages, killed)
