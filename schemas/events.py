@@ -302,6 +302,8 @@ class TokensGenerated(Event, tag="tokens"):
     num_waiting: int | None = None  # requests waiting for admission into the engine
     num_running: int | None = None  # requests in the running batch
     kv_usage: float | None = None  # fraction of KV cache blocks in use, 0.0 to 1.0
+    # the first tokens event of an engine step: the tokens that step computed (prefill and decode)
+    num_step_tokens: int | None = None
 
 
 class RunFinished(Event, tag="finished"):

@@ -112,6 +112,7 @@ class EngineStage(InputService):
         self.runs: dict[str, Run] = {}
         self._to_add: list[Run] = []
         self._to_abort: set[str] = set()
+        self._step_reported = False  # this step's first tokens event is out (it carries the size)
         self._work = anyio.Event()  # new work for the step loop
 
     # ---- admission ----
@@ -275,6 +276,7 @@ class EngineStage(InputService):
                 continue
             took = time.monotonic_ns() - began
             stats = self.engine.stats()
+            self._step_reported = False  # the step's size rides on its first tokens event
             for out in outputs:
                 run = self.runs.get(out.request_id)
                 if run is not None:
@@ -343,7 +345,9 @@ class EngineStage(InputService):
                 num_waiting=stats.num_waiting,
                 num_running=stats.num_running,
                 kv_usage=round(stats.kv_usage, 4),
+                num_step_tokens=None if self._step_reported else stats.num_step_tokens,
             )
+            self._step_reported = True
             run.output_ids.extend(out.new_token_ids)
             run.num_tokens_through.append(len(run.output_ids))
             run.pending.append((event, await self.bus.publish_async(event)))

@@ -6,7 +6,8 @@ and decode times, time per output token and the engine gauges come from the engi
 / `tokens` events; token counts per request from each run's end; per-stage durations from each
 event's `service_ns`; preemptions and the prefix cache's queries and hits (prompt tokens looked
 up, and found cached) from each run's `finished`. One registry per app, so tests never clash.
-The events carry no per-step batch size, so vLLM's `iteration_tokens_total` is not exported.
+`iteration_tokens_total` (tokens per engine step) from the first tokens event of each step,
+so it counts the steps that gave one of this edge's runs a token.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ _PER_TOKEN = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0
               10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _LONG = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
          120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_ITERATION = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 _STAGE = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 _LABEL = "model_name"
 
@@ -118,6 +120,9 @@ class EdgeMetrics:
         self.generation_tokens = Counter(
             "brigade:generation_tokens", "Generated tokens.", [_LABEL], registry=r
         ).labels(model)
+        self.iteration_tokens = histogram(
+            "brigade:iteration_tokens_total", "Tokens computed per engine step.", _ITERATION
+        )
         self.preemptions = Counter(
             "brigade:num_preemptions", "Preemptions of runs by the engine.", [_LABEL], registry=r
         ).labels(model)
@@ -141,6 +146,8 @@ class EdgeMetrics:
                 self.waiting.set(event.num_waiting)
             if event.kv_usage is not None:
                 self.kv_usage.set(event.kv_usage)
+        if isinstance(event, TokensGenerated) and event.num_step_tokens is not None:
+            self.iteration_tokens.observe(event.num_step_tokens)
         if isinstance(event, RunFinished):
             self.queue.observe(event.queue_ns / 1e9)
             self.prefill.observe(event.prefill_ns / 1e9)

@@ -316,3 +316,6 @@ async def test_cached_tokens_forks_and_the_prefix_cache_metrics(pipeline):
     queries = samples[f'brigade:prefix_cache_queries_total{{model_name="{MODEL}"}}']
     assert 0 < hits < queries
     assert f'brigade:num_preemptions_total{{model_name="{MODEL}"}}' in samples
+    steps = samples[f'brigade:iteration_tokens_total_count{{model_name="{MODEL}"}}']
+    step_tokens = samples[f'brigade:iteration_tokens_total_sum{{model_name="{MODEL}"}}']
+    assert steps >= 4 and step_tokens >= steps  # the prefills counted whole, decodes as 1+

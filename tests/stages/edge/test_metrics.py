@@ -1,7 +1,7 @@
 """The edge's metrics from the events it sees: vLLM's names with `brigade:`, every series
 labelled with the model; preemptions and prefix-cache queries / hits from each run's end."""
 
-from schemas.events import RunFinished, Usage
+from schemas.events import RunFinished, TokensGenerated, Usage
 from stages.edge.metrics import EdgeMetrics
 
 
@@ -29,3 +29,15 @@ def test_preemptions_and_prefix_cache_counters_come_from_each_runs_end():
     assert got['brigade:prefix_cache_hits_total{model_name="m"}'] == 48
     assert got['brigade:time_per_output_token_seconds_count{model_name="m"}'] == 3
     assert all('model_name="m"' in name for name in got)
+
+
+def test_iteration_tokens_from_each_steps_first_tokens_event():
+    metrics = EdgeMetrics("m")
+    for step_tokens in (512, 3, None):  # None: not its step's first event
+        metrics.observe_event(
+            TokensGenerated(request_id="r", seq=0, token_ids=[1], num_step_tokens=step_tokens)
+        )
+    got = _samples(metrics)
+    assert got['brigade:iteration_tokens_total_count{model_name="m"}'] == 2
+    assert got['brigade:iteration_tokens_total_sum{model_name="m"}'] == 515
+    assert got['brigade:iteration_tokens_total_bucket{le="8.0",model_name="m"}'] == 1
