@@ -327,7 +327,8 @@ BAD_SUBMITS = [
     (
         b'{"api_key": "k", "system": "s"}',
         "messages",
-        "give `messages` (a list of {role, content}) or `prompt` (a string); neither was sent",
+        "give `messages` (a list of {role, content}), `prompt` (a string) or "
+        "`prompt_token_ids`; none was sent",
     ),
     (
         b'{"prompt": "hi", "top_p": 7}',
