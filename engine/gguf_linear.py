@@ -1,9 +1,12 @@
 """fp32 linears that keep a GGUF tensor's Q4_1 / Q8_0 blocks beside the dense weight.
 
-Steps of at most DECODE_MAX_ROWS rows run the compiled block GEMV (kernels/cpu_quant_gemv.py):
-the same fp32 weights, rebuilt from 0.625 / 1.0625 bytes a weight instead of 4, fp32 sums, so
-the logits are the dense fp32 path's up to summation order. Prefill and big batches keep the
-dense fp32 GEMM. Blocks are in GGUF's own layout, one row of blocks per output feature.
+Steps of at most DECODE_MAX_ROWS rows run the compiled block GEMV (kernels/cpu_quant_gemv.py),
+steps of more rows (batched decode, prefill chunks) the compiled block GEMM
+(kernels/cpu_quant_gemm.py): the same fp32 weights, rebuilt from 0.625 / 1.0625 bytes a weight
+instead of 4, fp32 sums, so the logits are the dense fp32 path's up to summation order. The GEMM
+beat the dense fp32 GEMM at every row count measured (9 to 512, docs/benchmarks.md); the dense
+weight serves only where the GEMM could not be built. Blocks are in GGUF's own layout, one row
+of blocks per output feature.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.quant import DECODE_MAX_ROWS
-from kernels import cpu_quant_gemv
+from kernels import cpu_quant_gemm, cpu_quant_gemv
 from kernels.cpu_quant_gemv import BlockKind
 
 
@@ -46,9 +49,10 @@ def concat_blocks(parts: list[GGUFBlocks | None]) -> GGUFBlocks | None:
 
 
 class GGUFLinear(nn.Module):
-    """The block GEMV for steps of at most DECODE_MAX_ROWS fp32 rows, `dense` above."""
+    """The block GEMV for steps of at most DECODE_MAX_ROWS fp32 rows, the block GEMM above
+    (`gemm`: it was built), `dense` otherwise."""
 
-    def __init__(self, blocks: GGUFBlocks, dense: nn.Module) -> None:
+    def __init__(self, blocks: GGUFBlocks, dense: nn.Module, *, gemm: bool | None = None) -> None:
         super().__init__()
         if blocks.data.shape[0] != dense.out_features:
             raise ValueError(
@@ -58,13 +62,17 @@ class GGUFLinear(nn.Module):
         self.register_buffer("blocks", blocks.data.contiguous())
         self.dense = dense
         self.out_features = dense.out_features
+        self.gemm = cpu_quant_gemm.available() if gemm is None else gemm
 
     def forward(self, x: Tensor) -> Tensor:  # [n, in] -> [n, out]
-        if x.shape[0] <= DECODE_MAX_ROWS and x.shape[0] > 0 and x.dtype == torch.float32:
-            if x.stride(-1) != 1:
-                x = x.contiguous()
+        rows = x.shape[0]
+        if rows == 0 or x.dtype != torch.float32 or (rows > DECODE_MAX_ROWS and not self.gemm):
+            return self.dense.forward(x)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if rows <= DECODE_MAX_ROWS:
             return cpu_quant_gemv.quant_gemv(x, self.blocks, self.kind)
-        return self.dense.forward(x)
+        return cpu_quant_gemm.quant_gemm(x, self.blocks, self.kind)
 
 
 def with_blocks(dense: nn.Module, blocks: GGUFBlocks | None) -> nn.Module:

@@ -106,8 +106,8 @@ def load_model(
     "auto" (see resolve_quantization). batch_invariant: a token's logits are bit-identical
     whatever shares its step and however its prompt was chunked (bf16 on the CPU only).
     quantized_gemv: an fp32 GGUF model on the CPU with dense weights keeps its Q4_1 / Q8_0
-    blocks and runs steps of at most 8 rows on the block GEMV (the same weights, fewer bytes);
-    without a C compiler, or for safetensors, the dense fp32 path.
+    blocks and runs steps of at most 8 rows on the block GEMV, more rows on the block GEMM (the
+    same weights, fewer bytes); without a C compiler, or for safetensors, the dense fp32 path.
     """
     if isinstance(dtype, str):
         if dtype not in _DTYPES:

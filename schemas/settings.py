@@ -355,7 +355,8 @@ NUM_SPECULATIVE_TOKENS = declare(Setting[int](
 ))  # fmt: skip
 QUANTIZED_GEMV = declare(Setting[bool](
     name="BRIGADE_QUANTIZED_GEMV", kind="bool", default=True,
-    help="fp32 GGUF decode steps (<= 8 rows) read the Q4_1/Q8_0 blocks; 0: dense fp32 weights",
+    help="fp32 GGUF linears read the Q4_1/Q8_0 blocks (a GEMV up to 8 rows, a GEMM above); "
+    "0: dense fp32 weights",
     readers=("engine",),
 ))  # fmt: skip
 CPU_KERNEL = declare(Setting[bool](

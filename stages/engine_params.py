@@ -159,9 +159,9 @@ def engine_config_from_env() -> Any:
 
 
 def configure_kernels(found: settings.Settings | None = None) -> None:
-    """The CPU attention kernel's switch, compiler and cache, and the quantized GEMV's compiler
-    and cache (its switch is EngineConfig.quantized_gemv), from settings."""
-    from kernels import cpu_attention, cpu_quant_gemv
+    """The CPU attention kernel's switch, compiler and cache, and the quantized GEMV's and GEMM's
+    compiler and cache (their switch is EngineConfig.quantized_gemv), from settings."""
+    from kernels import cpu_attention, cpu_quant_gemm, cpu_quant_gemv
 
     found = found or settings.load()
     cpu_attention.configure(
@@ -173,6 +173,11 @@ def configure_kernels(found: settings.Settings | None = None) -> None:
     )
     cpu_quant_gemv.configure(
         cpu_quant_gemv.GemvOptions(
+            compiler=found[settings.CC], cache_root=found[settings.XDG_CACHE_HOME]
+        )
+    )
+    cpu_quant_gemm.configure(
+        cpu_quant_gemm.GemmOptions(
             compiler=found[settings.CC], cache_root=found[settings.XDG_CACHE_HOME]
         )
     )

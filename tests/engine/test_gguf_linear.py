@@ -1,6 +1,7 @@
 """fp32 linears over the default GGUF's own blocks: the blocks hold exactly the weights read_gguf
-dequantizes (un-permuted q/k included), steps of <= 8 rows run the block GEMV and more rows the
-dense GEMM, and load_model picks them only for fp32 dense on the CPU with the kernel built."""
+dequantizes (un-permuted q/k included), steps of <= 8 rows run the block GEMV, more rows the
+block GEMM (the dense GEMM where it was not built), and load_model picks them only for fp32
+dense on the CPU with the kernel built."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import engine.loader as loader
 from engine.gguf_linear import GGUFBlocks, GGUFLinear, concat_blocks
 from engine.quant import DECODE_MAX_ROWS, DenseLinear
 from engine.weights import resolve_model
-from kernels import cpu_quant_gemv
+from kernels import cpu_quant_gemm, cpu_quant_gemv
 
 pytestmark = pytest.mark.skipif(
     not cpu_quant_gemv.available(), reason="no C compiler to build the quantized GEMV"
@@ -39,16 +40,24 @@ def test_the_blocks_hold_read_ggufs_weights_bit_for_bit(gguf_model):
     assert torch.equal(cpu_quant_gemv.dequantize(embed.data, "q8_0"), want)
 
 
-def test_decode_rows_take_the_block_gemv_and_more_rows_the_dense_gemm(gguf_model):
+@pytest.mark.parametrize(
+    ("key", "kind"),
+    [("model.layers.3.mlp.down_proj.weight", "q4_1"), ("model.embed_tokens.weight", "q8_0")],
+)
+def test_decode_rows_take_the_block_gemv_and_more_rows_the_block_gemm(gguf_model, key, kind):
     _, weights, blocks = gguf_model
-    key = "model.layers.3.mlp.down_proj.weight"
-    linear = GGUFLinear(blocks[key], DenseLinear(weights[key]))
-    x = torch.randn(DECODE_MAX_ROWS + 1, weights[key].shape[1])
-    for rows in (1, DECODE_MAX_ROWS):
+    dense = DenseLinear(weights[key])
+    linear = GGUFLinear(blocks[key], dense)
+    assert linear.gemm and blocks[key].kind == kind
+    x = torch.randn(65, weights[key].shape[1])
+    for rows in (1, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 65):
         got = linear(x[:rows])
-        assert torch.equal(got, cpu_quant_gemv.quant_gemv(x[:rows], blocks[key].data, "q4_1"))
-        torch.testing.assert_close(got, x[:rows] @ weights[key].t(), atol=1e-5, rtol=1e-5)
-    assert torch.equal(linear(x), DenseLinear(weights[key])(x))  # prefill: dense, unchanged
+        kernel = cpu_quant_gemv.quant_gemv if rows <= DECODE_MAX_ROWS else cpu_quant_gemm.quant_gemm
+        assert torch.equal(got, kernel(x[:rows], blocks[key].data, kind))
+        torch.testing.assert_close(got, x[:rows] @ weights[key].t(), atol=1e-4, rtol=1e-5)
+    no_gemm = GGUFLinear(blocks[key], dense, gemm=False)  # the GEMM could not be built
+    assert torch.equal(no_gemm(x), dense(x))
+    assert torch.equal(no_gemm(x[:1]), linear(x[:1]))
 
 
 def test_concat_blocks_is_row_concatenation_of_one_kind(gguf_model):

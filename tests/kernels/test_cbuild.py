@@ -21,7 +21,7 @@ print(tiny > 0.0, float.fromhex("0x1p-1070") / 2 > 0.0)  # DAZ; FTZ
 """
 
 
-@pytest.mark.parametrize("name", ["cpu_attention", "cpu_quant_gemv"])
+@pytest.mark.parametrize("name", ["cpu_attention", "cpu_quant_gemv", "cpu_quant_gemm"])
 def test_loading_a_kernel_keeps_denormals(name: str) -> None:
     out = subprocess.run(
         [sys.executable, "-c", PROBE.format(name=name)], capture_output=True, text=True
