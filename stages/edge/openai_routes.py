@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from schemas.events import RequestFailed, RunCancelled, RunCompleted, Submit, TextGenerated
+from stages import gateway
 from stages.edge.core import Edge
 from stages.edge.errors import (
     RequestError,
@@ -52,6 +53,7 @@ from stages.edge.openai_schema import (
 )
 from stages.edge.runwatch import RunWatch
 from stages.edge.tool_calls import ToolCallStream, parse
+from stages.runtime.failures import StageError
 
 RUN_STATE_HEADER = "X-Brigade-Run-State"  # completed | cancelled (finish_reason reads "stop")
 
@@ -144,9 +146,13 @@ class OpenAIRoutes:
         extra: dict[str, Any] = {"request_id": rid, "model": model}
         if key := request.headers.get("idempotency-key"):
             extra["idempotency_key"] = key
+        submits = to_submits(body, **extra)
+        if len(submits) > 1:  # a bad prompt is refused before any of the request's runs starts
+            for submit in submits:
+                _check_submit(submit)
         runs: list[_Run] = []
         try:
-            for i, submit in enumerate(to_submits(body, **extra)):
+            for i, submit in enumerate(submits):
                 tokens = TokenEvents(edge.bus.js, submit.request_id or rid)
                 watch = await edge.open_run(
                     caller, submit, tokens if submit.logprobs is not None else None, i == 0
@@ -401,6 +407,14 @@ class OpenAIRoutes:
         if echo := run.take_echo():  # a run that ended before any delta
             yield chunk(echo, None, None)
         yield chunk("", reason, None)
+
+
+def _check_submit(submit: Submit) -> None:
+    """The gateway's own checks of a submit, as a 400 naming the field."""
+    try:
+        gateway.normalize(submit, limit_chars=gateway.max_text_chars())
+    except StageError as err:
+        raise RequestError("invalid_request", err.message, err.field) from None
 
 
 def _best(runs: list[_Run], choices: list[Choice], n: int) -> list[Choice]:

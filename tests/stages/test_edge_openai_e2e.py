@@ -255,6 +255,9 @@ async def test_echo_logprobs_and_prompt_lists_as_lm_eval_reads_them(pipeline):
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert streamed == texts
+    with pytest.raises(openai.BadRequestError) as info:  # refused before any run starts
+        await client.completions.create(model=MODEL, prompt=["fine", ""], max_tokens=2)
+    assert info.value.body["param"] == "prompt"
 
 
 async def test_n_and_best_of_through_every_stage(pipeline):
