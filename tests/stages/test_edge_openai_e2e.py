@@ -242,6 +242,17 @@ async def test_echo_logprobs_and_prompt_lists_as_lm_eval_reads_them(pipeline):
     assert forced.choices[0].logprobs.token_logprobs[0] == pytest.approx(
         full.token_logprobs[3], abs=1e-4)  # fmt: skip
     assert scored.usage.prompt_tokens == 2 * len(context) + 1
+    tokens, logprobs, text = [], [], ""
+    async for chunk in await client.completions.create(
+        **args, prompt=context + [blue], stream=True
+    ):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                logprobs += c.logprobs.token_logprobs
+    assert (tokens, text) == (full.tokens, scored.choices[0].text)  # streamed: the same
+    assert logprobs[0] is None and logprobs[1:] == pytest.approx(full.token_logprobs[1:], abs=1e-4)
 
     prompts = ["The sky is", "1, 2, 3,"]
     whole = await client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0,
