@@ -208,19 +208,22 @@ class StageWorker:
         request_id = getattr(event, "request_id", None)
         if self.spec.skip_cancelled and request_id is not None:
             if request_id not in self.ctx.cancels and self.spec.stream == subjects.SUBMIT_STREAM:
-                await self._cancel_stored(request_id)
+                await self._cancel_stored(request_id, held.msg)
             if request_id in self.ctx.cancels:
                 await held.complete([self._cancelled(event, request_id)])
                 return False, None
         return True, event
 
-    async def _cancel_stored(self, request_id: str) -> None:
-        """A submit's cancel may predate this worker (its client was told the submit failed
-        while the bus was away, and this worker started since): read it from the log, so a run
-        its client gave up on never starts."""
+    async def _cancel_stored(self, request_id: str, submitted: Msg) -> None:
+        """A submit's cancel may predate this worker (its client gave up on it, told it timed
+        out or failed, while no gateway ran): read it from the log, so a run its client gave up
+        on never starts. Only a cancel stored after the submit counts: one from before it is
+        for the stages that heard it to honour (they end the run there)."""
         subject = subjects.event_subject(request_id, "cancel")
         try:
             msg = await self.bus.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
+            if msg.time is None or msg.time < submitted.metadata.timestamp:
+                return
         except Exception:  # noqa: BLE001 - none stored (NotFound), or the bus away: not cancelled
             return
         cancel = None
