@@ -25,7 +25,14 @@ QUESTIONS = [
     "Which planet is closest to the sun?",
     "What colour is the sky on a clear day?",
 ]
-TARGETS_MS = {"overhead_p50": 2.0, "overhead_p95": 5.0, "token_trip_p95": 1.0}
+TARGETS_MS = {
+    "overhead_p50": 2.0,
+    "overhead_p95": 5.0,
+    "token_trip_p95": 1.0,
+    "added_per_hop_p50": 0.5,  # a stage's hop over the bare relay's, in the same run
+    "text_trip_p95": 2.0,  # engine publish -> the client has the text, at TEXT_TRIP_AT in flight
+}
+TEXT_TRIP_AT = 8
 
 
 def register(subparsers) -> None:
@@ -33,7 +40,19 @@ def register(subparsers) -> None:
         "pipeline", help="full pipeline vs engine alone: per-stage overhead from the events"
     )
     p.add_argument("--requests", type=int, default=40, help="requests per side (default 40)")
-    p.add_argument("--concurrency", type=int, default=20, help="requests in flight (default 20)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 8, 20],
+        help="requests in flight, one run per value (default 1 8 20)",
+    )
+    p.add_argument(
+        "--no-hops",
+        action="store_true",
+        help="skip the bare relay (a JetStream hop through a Python relay with no stage code), "
+        "which is measured on the same server at each concurrency",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
     p.add_argument("--out", type=Path, default=Path(".brigade/bench"), help="output directory")
     p.add_argument("--quick", action="store_true", help="8 requests, 4 in flight, 8 tokens")
@@ -129,7 +148,7 @@ async def through_pipeline(config, api_key: str, work: list[dict], concurrency: 
 
     async def one(i: int, w: dict) -> None:
         async with limit:
-            rid = f"bench{os.getpid()}x{i}"
+            rid = f"bench{os.getpid()}c{concurrency}x{i}"  # new ids at each level
             rec = seen[rid] = Seen(done=anyio.Event())
             submit = Submit(
                 request_id=rid,
@@ -161,8 +180,9 @@ async def through_pipeline(config, api_key: str, work: list[dict], concurrency: 
     return {"seen": seen, "wall_s": wall}
 
 
-async def _client_side(config, api_key, work, concurrency, here, progress) -> dict:
-    """Stages `here` as tasks of this process (none with --procs), then the client."""
+async def _client_side(config, api_key, work, levels, here, progress) -> dict[int, dict]:
+    """Stages `here` as tasks of this process (none with --procs), then the client at each
+    level of requests in flight."""
     import anyio
 
     from tools.stage import serve_stage
@@ -178,12 +198,15 @@ async def _client_side(config, api_key, work, concurrency, here, progress) -> di
             )
             await ready.wait()
         progress(f"pipeline: stages up ({', '.join(here) or 'none'} in this process); sending")
-        out = await through_pipeline(config, api_key, work, concurrency)
+        out = {}
+        for concurrency in levels:
+            out[concurrency] = await through_pipeline(config, api_key, work, concurrency)
+            progress(f"pipeline: {concurrency} in flight done")
         stop.set()
     return out
 
 
-def _pipeline_side(server, config, api_key, work, concurrency, in_process, progress) -> dict:
+def _pipeline_side(server, config, api_key, work, levels, in_process, progress) -> dict:
     """Every stage a `brigade stage NAME` process, as compose runs them; or, with --in-process,
     the layout of `brigade up`: the engine and ledger as children, the rest in this process."""
     import anyio
@@ -200,17 +223,36 @@ def _pipeline_side(server, config, api_key, work, concurrency, in_process, progr
             children.start(name)
             children.wait_up(name, 300)
         return anyio.run(
-            _client_side, config, api_key, work, concurrency, here, progress,
+            _client_side, config, api_key, work, levels, here, progress,
             backend="asyncio", backend_options={"use_uvloop": True},
         )  # fmt: skip
     finally:
         children.stop(timeout_s=20)
 
 
-def run(args) -> int:
+def bare_relay(url: str, levels: list[int], messages: int = 200) -> dict[int, dict]:
+    """One JetStream hop through a Python relay with no stage code (tools/bench/hops.py), on
+    the pipeline's own server: publish, stored, pulled by the relay, published on, received."""
+    import nats
+    import uvloop
+    from nats.js.api import StreamConfig
 
+    from tools.bench import hops
+
+    async def create_stream() -> None:
+        nc = await nats.connect(url)
+        await nc.jetstream().add_stream(StreamConfig(name=hops.STREAM, subjects=["hop.>"]))
+        await nc.close()
+
+    uvloop.run(create_stream())
+    chain = hops.run_chain(url, 1, "jetstream", levels, messages, pipelined=True)
+    return {c: chain[str(c)] for c in levels}
+
+
+def run(args) -> int:
     if args.quick:
-        args.requests, args.concurrency, args.max_tokens = 8, 4, 8
+        args.requests, args.concurrency, args.max_tokens = 8, [1, 4], 8
+    levels = list(dict.fromkeys(args.concurrency))
 
     def progress(msg: str) -> None:
         print(f"  [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -230,27 +272,34 @@ def run(args) -> int:
         progress("loading the model")
         engine = Engine(engine_config_from_env())
         work = workload(engine.tokenizer, args.requests, args.max_tokens)
-        progress(f"engine alone: {args.requests} requests, {args.concurrency} in flight")
-        engine_alone(engine, work[: min(4, len(work))], args.concurrency)  # warm-up
-        alone = engine_alone(engine, work, args.concurrency)
+        engine_alone(engine, work[: min(4, len(work))], max(levels))  # warm-up
+        alone = {}
+        for c in levels:
+            progress(f"engine alone: {args.requests} requests, {c} in flight")
+            alone[c] = engine_alone(engine, work, c)
         server = natsd.start(Path(tmp) / "nats")
         try:
+            bare = {}
+            if not args.no_hops:
+                progress("bare relay: one JetStream hop, no stage code, on the same server")
+                bare = bare_relay(server.url, levels)
             api_key = tenants.add_key("bench")
             config = BusConfig(servers=(server.url,))
             progress("pipeline: starting every stage on a private nats-server")
             del engine  # the engine stage loads its own, in its own process
             gc.collect()
-            piped = _pipeline_side(
-                server, config, api_key, work, args.concurrency, args.in_process, progress
-            )
+            piped = _pipeline_side(server, config, api_key, work, levels, args.in_process, progress)
         finally:
             natsd.stop(server)
-    pipe = analyse(piped["seen"])
-    pipe["wall_s"] = piped["wall_s"]
-    pipe["tokens"] = sum(len(x) for x in pipe["token_ids"])
+    runs = {}
+    for c in levels:
+        pipe = analyse(piped[c]["seen"])
+        pipe["wall_s"] = piped[c]["wall_s"]
+        pipe["tokens"] = sum(len(x) for x in pipe["token_ids"])
+        runs[c] = level_result(alone[c], pipe, bare.get(c), c)
     result = {
         "requests": args.requests,
-        "concurrency": args.concurrency,
+        "levels": levels,
         "max_tokens": args.max_tokens,
         "layout": "as `brigade up`: engine and ledger in their own processes, the other stages "
         "in one with the client"
@@ -259,8 +308,36 @@ def run(args) -> int:
         "model": settings.MODEL.get(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"1-min load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run",
+        "runs": {str(c): r for c, r in runs.items()},
+    }
+    table = markdown(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pipeline.md").write_text(table + "\n")
+    (args.out / "pipeline.json").write_text(json.dumps(result, indent=1))
+    print(table)
+    print(f"\nwrote {args.out / 'pipeline.md'} and {args.out / 'pipeline.json'}", file=sys.stderr)
+    return 0 if all(r["pipeline"]["failed"] == 0 for r in runs.values()) else 1
+
+
+def level_result(alone: dict, pipe: dict, bare: dict | None, concurrency: int) -> dict:
+    """One level's figures and targets: the pipeline against the engine alone and, per stage,
+    its hop (input stored -> output stamped) over the bare relay's."""
+    added = {}
+    if bare is not None:
+        for stage, hops_ms in pipe["stage_hop_ms"].items():
+            if hops_ms:
+                added[stage] = {
+                    "hop_p50_ms": pct(hops_ms, 0.5),
+                    "hop_p95_ms": pct(hops_ms, 0.95),
+                    "added_p50_ms": pct(hops_ms, 0.5) - bare["p50_ms"],
+                }
+    text_trip = pct(pipe["text_trip_ms"], 0.95)
+    return {
+        "concurrency": concurrency,
         "alone": {k: v for k, v in alone.items() if k != "token_ids"},
         "pipeline": {k: v for k, v in pipe.items() if k != "token_ids"},
+        "bare_relay": bare,
+        "added_over_bare": added,
         "same_token_ids": sorted(map(tuple, alone["token_ids"]))
         == sorted(map(tuple, pipe["token_ids"])),
         "targets": {
@@ -269,12 +346,12 @@ def run(args) -> int:
             and pct(pipe["overhead_ms"], 0.95) <= TARGETS_MS["overhead_p95"],
             "token_trip": bool(pipe["token_trip_ms"])
             and pct(pipe["token_trip_ms"], 0.95) <= TARGETS_MS["token_trip_p95"],
+            "added_per_hop": {
+                stage: a["added_p50_ms"] <= TARGETS_MS["added_per_hop_p50"]
+                for stage, a in added.items()
+            },
+            "text_trip": None
+            if concurrency != TEXT_TRIP_AT or text_trip is None
+            else text_trip <= TARGETS_MS["text_trip_p95"],
         },
     }
-    table = markdown(result)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pipeline.md").write_text(table + "\n")
-    (args.out / "pipeline.json").write_text(json.dumps(result, indent=1))
-    print(table)
-    print(f"\nwrote {args.out / 'pipeline.md'} and {args.out / 'pipeline.json'}", file=sys.stderr)
-    return 0 if pipe["failed"] == 0 else 1

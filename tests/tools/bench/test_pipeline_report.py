@@ -74,3 +74,37 @@ def test_percentiles_interpolate():
     assert pct([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
     assert pct([1.0, 2.0, 3.0, 4.0], 0.95) == pytest.approx(3.85)
     assert pct([], 0.5) is None
+
+
+def test_each_stage_hop_runs_from_its_input_stamped_to_its_output_stamped():
+    hop = analyse({"r": synthetic()})["stage_hop_ms"]
+    assert hop["gateway"] == pytest.approx([1.0])  # the client's send -> accepted stamped
+    assert hop["auth"] == pytest.approx([1.0]) and hop["tokenize"] == pytest.approx([1.0])
+    assert hop["detokenize"] == pytest.approx([1.0])  # tokens stamped -> text stamped
+    assert hop["ledger"] == pytest.approx([8.5])  # completed stamped -> billed stamped
+
+
+def test_a_level_compares_every_stage_hop_with_the_bare_relay():
+    from tools.bench.pipeline import level_result
+    from tools.bench.pipeline_report import markdown
+
+    pipe = analyse({"r": synthetic()})
+    pipe["wall_s"], pipe["tokens"] = 0.152, 1
+    alone = {"ttft_ms": [90.0], "e2e_ms": [140.0], "tokens": 1, "wall_s": 0.14, "token_ids": [[7]]}
+    bare = {"messages": 200, "p50_ms": 0.6, "p95_ms": 0.9}
+    res = level_result(alone, pipe, bare, 8)
+    added = res["added_over_bare"]
+    assert added["auth"]["added_p50_ms"] == pytest.approx(0.4)
+    assert added["ledger"]["added_p50_ms"] == pytest.approx(7.9)
+    assert res["targets"]["added_per_hop"] == {
+        "gateway": True, "auth": True, "context": True, "tokenize": True,
+        "detokenize": True, "ledger": False,
+    }  # fmt: skip
+    assert res["targets"]["text_trip"] is True  # 1.2 ms at 8 in flight
+    assert res["same_token_ids"] is True
+    table = markdown(
+        {"requests": 1, "max_tokens": 1, "model": "m", "layout": "l", "machine": "x",
+         "runs": {"8": res}}
+    )  # fmt: skip
+    assert "### 8 in flight" in table and "| ledger |" in table and "7.900 ✗" in table
+    assert "Bare relay on the same server" in table and "P50 0.600 ms" in table
