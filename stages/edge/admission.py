@@ -156,6 +156,15 @@ class AdmissionGate:
             prompt_tokens=prompt_tokens, since=self._tick(), estimate_s=found.total_s
         )
 
+    def join(self, request_id: str, prompt_tokens: int) -> None:
+        """A later run of a request already admitted (a completions request's further prompts,
+        n's further samples): never refused for waiting behind its own first run, but waiting
+        work that later requests are estimated against, like any run."""
+        found = self.estimate(prompt_tokens)
+        self.waiting[request_id] = Waiting(
+            prompt_tokens=prompt_tokens, since=self._tick(), estimate_s=found.total_s
+        )
+
     def release(self, request_id: str) -> None:
         if request_id in self.waiting:
             self._tick()

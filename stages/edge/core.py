@@ -239,8 +239,8 @@ class Edge:
     ) -> RunWatch:
         """Subscribe, then submit; with an idempotency key possibly re-attach to its first run.
         `tokens`, when given, receives the run's `tokens` events (for logprobs). `admit=False`:
-        a later run of a request already admitted (a completions request's further prompts),
-        which must not be refused for waiting behind its own first run."""
+        a later run of a request already admitted (further prompts, n's further samples): it
+        joins the waiting work without being refused for waiting behind its own first run."""
         model = self.served_model(caller, submit.model)
         submit = msgspec.structs.replace(submit, model=model)
         try:  # the gateway's own checks, here for a fast 400 and the idempotency digest
@@ -252,6 +252,8 @@ class Edge:
         await self.check_fits(submit)
         if admit:
             self.gate.admit(request_id, prompt_tokens(submit), caller.priority)
+        else:
+            self.gate.join(request_id, prompt_tokens(submit))
         try:
             return await self._submit(caller, submit, request_hash(request), request_id, tokens)
         except BaseException as err:

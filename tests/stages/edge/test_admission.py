@@ -65,6 +65,18 @@ def test_waiting_prompts_at_the_prefill_rate_bound_the_wait():
     assert set(gate.waiting) == {"a", "b"}  # a refusal holds nothing
 
 
+def test_a_requests_later_runs_join_without_a_check_and_count_for_others():
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5))
+    gate.observe(finished("done", prompt_tokens=1000, prefill_s=1.0))  # 1000 tok/s
+    gate.admit("r-0", 400)
+    gate.join("r-1", 400)  # 0.4 + 0.4 > 0.5, but the same request's: joins
+    assert set(gate.waiting) == {"r-0", "r-1"}
+    with pytest.raises(RequestError):
+        gate.admit("other", 10)  # another request waits behind both
+    gate.release("r-1")
+    assert set(gate.waiting) == {"r-0"}
+
+
 def started_one_by_one(gate: AdmissionGate, clock: Clock, n: int, wait_s: float) -> None:
     """n runs, each waiting `wait_s` alone for its first token: the engine starts 1/wait_s."""
     for i in range(n):
