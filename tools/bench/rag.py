@@ -22,6 +22,7 @@ import json
 import random
 import re
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -188,6 +189,8 @@ def run_quality(args, index, embed, tok, qs) -> tuple[dict, dict]:
             times.append(time.perf_counter() - start)
             order = sorted(range(len(pool)), key=lambda i: (-scores[i], i))  # ties: fused order
             ranks[name].append(first_hit([pool[i] for i in order], q["evidence"]))
+            print(f"\r{name}: {len(times)}/{len(qs)} questions", end="", file=sys.stderr)
+        print(file=sys.stderr)
         cost[name] = {
             "candidates": num_candidates,
             "p50_s": statistics.median(times),
