@@ -45,6 +45,9 @@ def brigade_up(tmp_path_factory) -> Iterator[RunningBrigade]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "BRIGADE_ARCHIVE_DIR")}
     env.update(BRIGADE_DATA_DIR=str(data), BRIGADE_API_KEY=API_KEY, BRIGADE_EDGE_PORT=str(port))
+    # these tests check what clients and the log measure, not admission: a busy shared CPU
+    # must not turn their second concurrent request into a 503 (tests/stages/edge tests that)
+    env.update(BRIGADE_EDGE_MAX_WAIT_S="30")
     log_path = data / "up.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
