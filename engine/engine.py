@@ -21,7 +21,7 @@ from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budg
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, PromptRows
 from engine.params import SamplingParams
-from engine.sampler import SamplingRequest
+from engine.sampler import SamplingRequest, draw_seed
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.spec_decode import propose_drafts, sample_and_verify
@@ -170,6 +170,7 @@ class Engine:
         cache_domain: str = "",
         constrained_output_ids: list[int] | tuple[int, ...] = (),
         fork_of: str | None = None,
+        num_prior_output: int = 0,
     ) -> int:
         """Queue a request; returns the seed it samples with. RequestRejected (a ValueError) if
         it can never run.
@@ -181,7 +182,10 @@ class Engine:
         already a complete match, the next step reports the request finished ("stop").
         fork_of: parallel sampling (n > 1): an in-flight request of the same prompt and cache
         domain whose prompt K/V this one shares once computed (BlockManager.fork) instead of
-        computing them again; any other id, or a different prompt, runs it on its own."""
+        computing them again; any other id, or a different prompt, runs it on its own.
+        num_prior_output: a continuation of an interrupted run: the prompt's last n tokens are
+        its output so far. Penalties count them as output, and its draws continue at position
+        n, so with the same seed it samples what the uninterrupted run would have."""
         if request_id in self._seqs:
             raise RequestRejected(
                 "invalid_request",
@@ -230,6 +234,13 @@ class Engine:
                     "follow the request's constraint",
                     field="constrained_output_ids",
                 )
+        if num_prior_output < 0 or 0 < len(prompt_token_ids) <= num_prior_output:
+            raise RequestRejected(
+                "invalid_request",
+                f"num_prior_output={num_prior_output}: give 0 up to the prompt's length - 1 "
+                f"({len(prompt_token_ids) - 1})",
+                field="num_prior_output",
+            )
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(
             request_id,
@@ -240,6 +251,7 @@ class Engine:
             priority=priority,
             cache_domain=cache_domain,
             grammar=grammar,
+            num_prior_output=num_prior_output,
         )
         parent = self._seqs.get(fork_of) if fork_of is not None else None
         if (
@@ -251,7 +263,7 @@ class Engine:
         ):
             seq.fork_parent = parent
         self._seqs[request_id] = seq
-        self._generators[request_id] = torch.Generator(self.device).manual_seed(seed)
+        self._generators[request_id] = torch.Generator(self.device)  # seeded per position
         self.scheduler.add(seq)
         if grammar is not None and grammar.is_complete:  # a resumed run that had ended
             self.scheduler.finish(seq, "stop")
@@ -325,11 +337,17 @@ class Engine:
             eos = () if p.ignore_eos else (self.model_config.eos_token_id,)
             stop_ids = eos + p.stop_token_ids
         penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        prompt, output = seq.prompt_token_ids, seq.output_token_ids
+        if penalized and seq.num_prior_output:
+            cut = len(prompt) - seq.num_prior_output
+            prompt, output = prompt[:cut], prompt[cut:] + output
+        generator = self._generators[seq.request_id]
+        generator.manual_seed(draw_seed(seq.seed, seq.num_prior_output + seq.num_output_tokens))
         return SamplingRequest(
             params=p,
-            prompt_token_ids=seq.prompt_token_ids if penalized else [],
-            output_token_ids=seq.output_token_ids if penalized else [],
-            generator=self._generators[seq.request_id],
+            prompt_token_ids=prompt if penalized else [],
+            output_token_ids=output if penalized else [],
+            generator=generator,
             stop_ids_while_short=stop_ids,
             token_bitmask=token_bitmask,
         )

@@ -1,8 +1,8 @@
 """Sampling as plain functions over a batch of logits, each row with its own parameters.
 
 Order: penalties -> logit bias -> min_tokens mask -> grammar mask (constrained rows only) -> (greedy rows:
-argmax) -> temperature -> top-k -> top-p -> min-p -> one draw per row from the row's own seeded
-generator. Filters whose parameters are neutral for the whole batch are skipped, so plain greedy
+argmax) -> temperature -> top-k -> top-p -> min-p -> one draw per row from the row's own
+generator, seeded for the row's output position (`draw_seed`). Filters whose parameters are neutral for the whole batch are skipped, so plain greedy
 or plain temperature costs one pass.
 """
 
@@ -163,6 +163,21 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     probs = logits.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
     return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The seed of a request's draws at output position `position` (splitmix64 of the pair).
+
+    Each position's randomness depends on (seed, position) only, not on how many draws came
+    before it in this process: a run continued elsewhere from its logged tokens samples what it
+    would have sampled uninterrupted."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) >> 1  # a non-negative int64, as torch's manual_seed takes
 
 
 def draw(logits: Tensor, generators: list[torch.Generator | None]) -> Tensor:

@@ -50,6 +50,9 @@ class Sequence:
     grammar: Matcher | None = None  # with params.constraint: where the output is in its grammar
     # parallel sampling (n > 1): the sequence whose prompt K/V this one shares, once computed
     fork_parent: Sequence | None = None
+    # a continuation: the prompt's last tokens are this request's own earlier output (penalties
+    # count them as output; draws continue at their position)
+    num_prior_output: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -388,3 +388,57 @@ def test_engine_config_is_validated():
         EngineConfig(block_size=0)
     with pytest.raises(ValueError, match="EngineConfig.num_kv_blocks=0; allowed: None or >= 1"):
         EngineConfig(num_kv_blocks=0)
+
+
+def continued(engine, prompt, params, cut, rid):
+    """The first `cut` tokens of a run, then the rest as a continuation (prompt + those tokens,
+    num_prior_output=cut, max_tokens reduced): what a worker taking over from the log runs."""
+    engine.add_request(rid, prompt, dataclasses.replace(params, max_tokens=cut))
+    head = []
+    while engine.has_unfinished_requests():
+        head += [t for o in engine.step() for t in o.new_token_ids]
+    rest = dataclasses.replace(params, max_tokens=params.max_tokens - cut)
+    engine.add_request(rid + "+", prompt + head, rest, num_prior_output=len(head))
+    tail = []
+    while engine.has_unfinished_requests():
+        tail += [t for o in engine.step() for t in o.new_token_ids]
+    return head + tail
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True),
+        SamplingParams(
+            temperature=0.9, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True,
+            repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7,
+        ),
+    ],
+    ids=["greedy", "seeded", "seeded-penalized"],
+)  # fmt: skip
+def test_a_continuation_from_the_logged_tokens_samples_what_the_run_would_have(tiny_dir, params):
+    """Each draw is keyed by (seed, output position), and penalties count the prior output as
+    output: cut anywhere and continued, the run's tokens are the uninterrupted run's."""
+    engine = tiny_engine(tiny_dir)
+    prompt = prompts([9], engine.model_config.vocab_size)[0]
+    [whole], _ = run_all(engine, [prompt], params, ["whole"])
+    assert len(whole) == 20
+    for cut in (1, 7, 19):
+        assert continued(engine, prompt, params, cut, f"cut{cut}") == whole, cut
+
+
+def test_draws_depend_on_seed_and_position_only():
+    from engine.sampler import draw_seed
+
+    seeds = {draw_seed(s, p) for s in (0, 1, 2**62) for p in range(50)}
+    assert len(seeds) == 150 and all(0 <= x < 2**63 for x in seeds)
+    assert draw_seed(5, 3) == draw_seed(5, 3)
+
+
+def test_num_prior_output_must_leave_a_prompt(tiny_dir):
+    engine = tiny_engine(tiny_dir)
+    with pytest.raises(ValueError, match="num_prior_output=3"):
+        engine.add_request("a", [5, 6, 7], SamplingParams(), num_prior_output=3)
+    with pytest.raises(ValueError, match="num_prior_output=-1"):
+        engine.add_request("a", [5, 6, 7], SamplingParams(), num_prior_output=-1)
