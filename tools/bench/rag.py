@@ -172,6 +172,8 @@ def run_quality(args, index, embed, tok, qs) -> tuple[dict, dict]:
         ranks["keyword"].append(first_hit(by_keyword, q["evidence"]))
         ranks["hybrid"].append(first_hit([c.chunk.text for c in hybrid], q["evidence"]))
         pools.append([c.chunk.text for c in hybrid[:num_candidates]])
+    from stages.retrieval.search import reciprocal_rank_fusion
+
     cost: dict = {}
     scorers = [] if args.no_rerank else [("hybrid + rerank", query_likelihood_scores)]
     if args.yes_no:
@@ -189,6 +191,11 @@ def run_quality(args, index, embed, tok, qs) -> tuple[dict, dict]:
             times.append(time.perf_counter() - start)
             order = sorted(range(len(pool)), key=lambda i: (-scores[i], i))  # ties: fused order
             ranks[name].append(first_hit([pool[i] for i in order], q["evidence"]))
+            if name == "hybrid + rerank":  # the same scores, fused with the hybrid order by rank
+                both = [i for i, _ in reciprocal_rank_fusion([list(range(len(pool))), order])]
+                ranks.setdefault("hybrid + rerank, fused", []).append(
+                    first_hit([pool[i] for i in both], q["evidence"])
+                )
             print(f"\r{name}: {len(times)}/{len(qs)} questions", end="", file=sys.stderr)
         print(file=sys.stderr)
         cost[name] = {
