@@ -3,8 +3,10 @@ shared runtime (stages/runtime/service.py).
 
 Takes `tokenized` only while KV capacity allows (admission: `capacity()`), runs step() in a
 worker thread, publishes each step's tokens pipelined, and settles a request's input only after
-its `finished` event is stored — so a killed worker's request is redelivered, re-run with the
-same seed and checked against the tokens already stored (dedupe drops the repeats).
+its `finished` event is stored — so a killed worker's request is redelivered and continued from
+the tokens its worker stored: prompt plus those tokens, `max_tokens` reduced, each draw keyed by
+(seed, position), so it samples what the uninterrupted run would have (engine.add_request's
+num_prior_output).
 """
 
 from __future__ import annotations
@@ -60,8 +62,6 @@ class Run:
     output_ids: list[int] = field(default_factory=list)
     num_tokens_through: list[int] = field(default_factory=list)  # per seq: output count after it
     pending: list[tuple[TokensGenerated, Any]] = field(default_factory=list)  # (event, ack future)
-    stored: list[list[int]] = field(default_factory=list)  # a re-run: steps a dead worker stored
-    restart: bool = False  # a re-run diverged: waiting for its abort, then continue after stored
     cancel: CancelRequested | None = None
     num_cached_tokens: int = 0  # prompt tokens the engine did not compute (prefix cache, fork)
     num_preemptions: int = 0
@@ -169,33 +169,37 @@ class EngineStage(InputService):
         self._work.set()
 
     async def _recover(self, run: Run) -> bool:
-        """A redelivery: the worker that had this request died. Re-run it (same seed) and check
-        each re-generated step against the `tokens` the dead worker stored; False when nothing
-        is left to run (its `finished` was stored, or a cancel came meanwhile)."""
+        """A redelivery: the worker that had this request died. Take the steps it stored as
+        this run's output and continue after them; False when nothing is left to run (its
+        `finished` was stored, a cancel came meanwhile, or the stored steps were its end)."""
         stored = await self.bus.replay(run.request_id)
         if any(isinstance(e, RunFinished) for e in stored):
             await run.held.ack()  # finished was stored; only the ack was lost
             return False
-        cancels = [e for e in stored if isinstance(e, CancelRequested)]
         by_seq = {e.seq: e.token_ids for e in stored if isinstance(e, TokensGenerated)}
-        seq = 0
-        while seq in by_seq:
-            run.stored.append(list(by_seq[seq]))
-            seq += 1
+        while run.next_seq in by_seq:  # the contiguous steps; a gap's later ones come again
+            run.output_ids.extend(by_seq[run.next_seq])
+            run.num_tokens_through.append(len(run.output_ids))
+        cancels = [e for e in stored if isinstance(e, CancelRequested)]
         if cancels:  # cancelled (or stopped by a stop string) while its worker was dying
             run.cancel = cancels[0]
-            self._continue_after_stored(run)
             await self._finish(run, "abort", run.num_prompt, run.params.seed)
             return False
-        log.info("re-running %s; %d steps were stored", run.request_id, len(run.stored))
+        p = run.params
+        ends = set(p.stop_token_ids) | (
+            set() if p.ignore_eos else {self.engine.tokenizer.eos_token_id}
+        )
+        last = run.output_ids[-1] if run.output_ids else None
+        if last in ends or run.num_left <= 0:  # its last step was stored, its end was not
+            reason = "stop" if last in ends else "length"
+            await self._finish(run, reason, run.num_prompt, p.seed)
+            return False
+        if run.output_ids:
+            run.params = dataclasses.replace(
+                p, max_tokens=run.num_left, min_tokens=max(0, p.min_tokens - len(run.output_ids))
+            )
+        log.info("continuing %s after its %d stored steps", run.request_id, run.next_seq)
         return True
-
-    def _continue_after_stored(self, run: Run) -> None:
-        """Take the stored steps as this run's own output (the next step continues after them)."""
-        for ids in run.stored[run.next_seq :]:
-            run.output_ids.extend(ids)
-            run.num_tokens_through.append(len(run.output_ids))
-        run.stored = []
 
     def _add_pending(self) -> list[tuple[Run, StageError]]:
         """Hand fetched requests to the engine (between steps only: the core is not thread-safe)."""
@@ -209,8 +213,10 @@ class EngineStage(InputService):
                     run.params,
                     priority,
                     cache_domain=run.event.tenant or "",  # no prefix is shared across tenants
-                    # a run continuing after stored output: its grammar takes that output first
+                    # a run continuing after stored output: its grammar takes that output first,
+                    # and its draws and penalties go on from it
                     constrained_output_ids=run.output_ids if run.params.constraint else (),
+                    num_prior_output=len(run.output_ids),
                     # parallel sampling: share the prompt's K/V of the run named (if in flight)
                     fork_of=run.event.sampling.fork_of,
                 )
@@ -299,29 +305,6 @@ class EngineStage(InputService):
     ) -> None:
         rid = run.request_id
         run.num_cached_tokens, run.num_preemptions = out.num_cached_tokens, out.num_preemptions
-        if out.new_token_ids and run.next_seq < len(run.stored) and not run.restart:
-            # A re-run, checked step by step against what the dead worker stored.
-            if list(out.new_token_ids) == run.stored[run.next_seq]:
-                run.first_token_ns = run.first_token_ns or time.monotonic_ns()
-                run.output_ids.extend(out.new_token_ids)
-                run.num_tokens_through.append(len(run.output_ids))
-                if out.finished:
-                    del self.runs[rid]
-                    tg.start_soon(self._finish, run, out.finish_reason, run.num_prompt, out.seed)
-                return
-            # Other numerics (another batch) sampled otherwise: the stored text stands, so the
-            # run continues after it. Abort this attempt; go on when its end is reported.
-            log.warning("%s left its stored tokens at seq %d", rid, run.next_seq)
-            self._continue_after_stored(run)
-            run.restart = True
-            if not out.finished:
-                self._to_abort.add(rid)
-                return
-        if run.restart:
-            if out.finished:
-                run.restart = False
-                self._after_stored(run, out.seed, tg)
-            return
         if out.new_token_ids and run.stop_seq is None:
             now = time.monotonic_ns()
             run.first_token_ns = run.first_token_ns or now
@@ -358,23 +341,6 @@ class EngineStage(InputService):
             del self.runs[rid]
             tg.start_soon(self._finish, run, out.finish_reason, run.num_prompt, out.seed)
 
-    def _after_stored(self, run: Run, seed: int, tg: anyio.abc.TaskGroup) -> None:
-        """Continue a diverged re-run after its stored tokens, or end it if they were the end."""
-        p = run.params
-        ends = set(p.stop_token_ids) | (
-            set() if p.ignore_eos else {self.engine.tokenizer.eos_token_id}
-        )
-        last = run.output_ids[-1] if run.output_ids else None
-        if last in ends or run.num_left <= 0:
-            del self.runs[run.request_id]
-            reason = "stop" if last in ends else "length"
-            tg.start_soon(self._finish, run, reason, run.num_prompt, seed)
-            return
-        run.params = dataclasses.replace(
-            p, max_tokens=run.num_left, min_tokens=max(0, p.min_tokens - len(run.output_ids))
-        )
-        self._to_add.append(run)
-
     async def _finish(
         self, run: Run, reason: str, num_prompt_tokens: int, seed: int | None
     ) -> None:
@@ -392,8 +358,6 @@ class EngineStage(InputService):
     def _finished_event(
         self, run: Run, reason: str, num_prompt_tokens: int, seed: int | None
     ) -> RunFinished:
-        if len(run.stored) > run.next_seq:  # ended while re-checking: the stored steps stand
-            self._continue_after_stored(run)
         now = time.monotonic_ns()
         last_seq = run.next_seq - 1 if run.next_seq else None
         num_out = len(run.output_ids)

@@ -19,7 +19,7 @@ from schemas.events import (
 )
 from stages import engine as engine_stage
 from stages.detokenize import context_window
-from stages.engine_params import AdmissionConfig, derived_seed
+from stages.engine_params import AdmissionConfig, derived_seed, sampling_params
 from stages.runtime import worker as runtime
 from stages.runtime.bus import Bus
 
@@ -171,7 +171,8 @@ async def test_a_dead_workers_request_is_resumed_after_its_stored_tokens(
     bus_config, engine, prompt, monkeypatch
 ):
     """Worker 1 dies (connection gone, nothing acked) after 3 tokens; worker 2 gets the
-    redelivery and continues at seq 3: every seq stored once, one `finished`, 6 tokens."""
+    redelivery and continues at seq 3: every seq stored once, one `finished`, 6 tokens, and
+    (sampled at temperature 1, seeded) the very tokens of the same request run uninterrupted."""
     monkeypatch.setenv("BRIGADE_ACK_WAIT_S", "2")
     client = await Bus.connect(bus_config)
     await client.ensure_streams()
@@ -209,6 +210,12 @@ async def test_a_dead_workers_request_is_resumed_after_its_stored_tokens(
     assert (fin.finish_reason, fin.last_seq, fin.usage.completion_tokens) == ("length", 5, 6)
     assert fin.usage.prompt_tokens == len(prompt) and fin.context_token_ids == ids
     assert any(isinstance(e, RunFinished) for e in got["crash"])
+    event = tokenized("crash", prompt, max_tokens=6, ignore_eos=True, seed=9)
+    engine.add_request("whole", prompt, sampling_params(event.sampling, "crash"))
+    whole = []
+    while engine.has_unfinished_requests():
+        whole += [t for o in engine.step() for t in o.new_token_ids]
+    assert ids == whole
 
 
 @pytest.mark.anyio
