@@ -27,8 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from tools.bench.files import write_results
 
 DATA = Path(__file__).with_name("rag_data")
@@ -211,6 +209,8 @@ def run_quality(args, index, embed, tok, qs) -> tuple[dict, dict]:
 
 
 def synthetic_index(n: int, words: list[str], rng: random.Random, real_chunks, real_vectors):
+    import numpy as np
+
     from stages.retrieval.search import Index
     from stages.retrieval.store import StoredChunk
 
