@@ -396,8 +396,8 @@ ENGINE_CPU_PRIORITY = declare(Setting[str](
 BACKGROUND_CPU_PRIORITY = declare(Setting[str](
     name="BRIGADE_BACKGROUND_CPU_PRIORITY", kind="str", default="batch:19",
     pattern=_CPU_PRIORITY, allowed=_PRIORITY_WORDS,
-    help="CPU priority of the ledger and archiver processes, off the request's path",
-    readers=("ledger", "archiver"),
+    help="CPU priority of the ledger, archiver and ingest processes, off the request's path",
+    readers=("ledger", "archiver", "ingest"),
 ))  # fmt: skip
 
 # The edge (HTTP and websocket)
