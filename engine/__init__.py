@@ -7,11 +7,13 @@ import os
 from importlib import import_module
 from typing import Any
 
-# Before torch loads (its OpenMP runtime reads this once): idle pool threads sleep instead of
-# spinning. Spinning wins a few microseconds per op on an idle machine, but beside the stages and
-# nats-server on two cores the spinners take the CPU the others need, and a descheduled peer
-# stalls the whole op (measured in docs/benchmarks.md). schemas/settings.py documents it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch loads (its OpenMP runtime reads this once): idle pool threads spin a bounded while
+# (GOMP_SPINCOUNT, ~100 us here), then sleep. libgomp's default spin (300k) beside the stages and
+# nats-server on two cores starves them and stalls each op on a descheduled peer; sleeping at
+# once (OMP_WAIT_POLICY=PASSIVE) halves single-stream decode on an idle machine (measured in
+# docs/benchmarks.md). A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT stands.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
 _EXPORTS: dict[str, str] = {
     "LLM": "engine.llm",

@@ -25,7 +25,16 @@ SERVICES = (
     "gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger", "edge", "archiver",
     "ingest", "sweeper",
 )  # fmt: skip
-TOOLS = ("up", "ask", "status", "keys", "usage", "log", "bench", "docs")  # log: sql, report, trace, replay
+TOOLS = (
+    "up",
+    "ask",
+    "status",
+    "keys",
+    "usage",
+    "log",
+    "bench",
+    "docs",
+)  # log: sql, report, trace, replay
 READERS = SERVICES + TOOLS
 WORKERS = ("gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger", "ingest")
 BUS_USERS = (*SERVICES, "up", "ask", "status", "log", "bench")
@@ -366,13 +375,14 @@ CPU_KERNEL = declare(Setting[bool](
 ))  # fmt: skip
 CC = declare(Setting[str | None](
     name="CC", kind="str", default=None, default_text="cc, else gcc",
-    help="C compiler that builds the CPU kernels (attention, quantized GEMV)",
+    help="C compiler that builds the CPU kernels (attention, quantized GEMV and GEMM)",
     readers=("engine", "bench"),
 ))  # fmt: skip
-OMP_WAIT_POLICY = declare(Setting[str](
-    name="OMP_WAIT_POLICY", kind="str", default="PASSIVE",
-    help="OpenMP's idle worker threads (torch's CPU pool): PASSIVE sleeps at once; ACTIVE spins, "
-    "which starves the stages and nats-server sharing the cores; read once, when torch loads",
+GOMP_SPINCOUNT = declare(Setting[int](
+    name="GOMP_SPINCOUNT", kind="int", default=100_000, ge=0,
+    help="spins an idle OpenMP thread (torch's CPU pool) waits before it sleeps; libgomp's own "
+    "300k starves the stages sharing the cores, 0 halves idle single-stream decode; unset when "
+    "OMP_WAIT_POLICY is given; read once, when torch loads",
     readers=("engine", "bench"),
 ))  # fmt: skip
 XDG_CACHE_HOME = declare(Setting[Path | None](

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import engine  # noqa: F401 - first: sets OpenMP's wait policy before anything loads torch
+import engine  # noqa: F401 - first: sets OpenMP's spin count before anything loads torch
 from stages.runtime import natsd
 from stages.runtime.bus import BusConfig
 

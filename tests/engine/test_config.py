@@ -79,17 +79,23 @@ def test_gguf_errors_name_the_problem():
         ModelConfig.from_gguf_metadata(missing, has_output_weight=False)
 
 
-def test_openmp_waits_passively_unless_told_otherwise():
-    """engine/__init__ sets the documented default before torch loads; a user's value stands."""
+def test_openmp_spins_a_bounded_while_unless_told_otherwise():
+    """engine/__init__ sets the documented spin count before torch loads; a user's wait policy
+    or spin count stands."""
     import subprocess
     import sys
 
     from schemas import settings
 
-    code = "import os, engine, torch; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == settings.OMP_WAIT_POLICY.default == "PASSIVE"
-    env["OMP_WAIT_POLICY"] = "ACTIVE"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "ACTIVE"
+    code = "import os, engine, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+    def spin(**extra: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env | extra, capture_output=True, text=True
+        )
+        return out.stdout.strip()
+
+    assert spin() == str(settings.GOMP_SPINCOUNT.default) == "100000"
+    assert spin(GOMP_SPINCOUNT="5") == "5"
+    assert spin(OMP_WAIT_POLICY="PASSIVE") == "None"

@@ -125,7 +125,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_QUANTIZED_GEMV": True,
         "BRIGADE_CPU_KERNEL": True,
         "CC": None,
-        "OMP_WAIT_POLICY": "PASSIVE",
+        "GOMP_SPINCOUNT": 100_000,
         "XDG_CACHE_HOME": None,
         "LLAMA_CPP_DIR": None,
         "BRIGADE_ENGINE_CPU_PRIORITY": "batch:19",
