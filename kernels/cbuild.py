@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -76,14 +77,25 @@ def _compile(source: Path, compiler: str, flags: tuple[str, ...], target: Path) 
                 os.unlink(path)
 
 
+def local_headers(source: Path) -> list[Path]:
+    """The headers `source` includes by a quoted name, found beside it (one level deep)."""
+    names = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', source.read_bytes(), re.MULTILINE)
+    return [source.parent / n.decode() for n in names]
+
+
+def build_key(source: Path, compiler: str, flags: tuple[str, ...]) -> str:
+    """What a built library depends on: its source and local headers, flags, compiler, recipe."""
+    parts = [source.read_bytes(), *(h.read_bytes() for h in local_headers(source))]
+    parts += [" ".join(flags).encode(), compiler.encode(), BUILD_RECIPE]
+    return hashlib.sha256(b"\0".join([*parts, platform.machine().encode()])).hexdigest()[:16]
+
+
 def build_library(
     source: Path, compiler: str, flags: tuple[str, ...], cache_dir: Path, errors: list[str]
 ) -> ctypes.CDLL | None:
     """Build (or find in the cache) and load `source` with these flags; a failure is appended
     to `errors` and gives None."""
-    parts = [source.read_bytes(), " ".join(flags).encode(), compiler.encode(), BUILD_RECIPE]
-    key = hashlib.sha256(b"\0".join([*parts, platform.machine().encode()])).hexdigest()[:16]
-    target = cache_dir / f"{source.stem}-{key}.so"
+    target = cache_dir / f"{source.stem}-{build_key(source, compiler, flags)}.so"
     try:
         if not target.exists():
             err = _compile(source, compiler, flags, target)

@@ -24,26 +24,11 @@
  *   x  [rows, in] fp32, row stride x_stride; rows >= 1
  *   y  [rows, out] fp32, row stride y_stride
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__) && defined(__FMA__)
-#define ISA_LEVEL 2
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define ISA_LEVEL 1
-#else
-#define ISA_LEVEL 0
-#endif
-#if ISA_LEVEL > 0
-#include <immintrin.h>
-#endif
+#include "cpu_quant_blocks.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-#define QK 32 /* weights per block */
-#define Q4_1_BYTES 20 /* fp16 d, fp16 m, 16 bytes of nibbles: q[i] low, q[i + 16] high */
-#define Q8_0_BYTES 34 /* fp16 d, 32 int8 */
 
 #if ISA_LEVEL == 2
 #define VL 16
@@ -72,29 +57,6 @@ typedef __m256 vec;
 #endif
 #define CH (VL * MVMAX) /* rows of x in one packed chunk */
 #define SUPER_BYTES (256 * 1024) /* packed x of one row super-block: about L2 */
-
-int kernel_isa(void) { return ISA_LEVEL; }
-
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#if ISA_LEVEL > 0
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu;
-    const uint32_t man = h & 0x3ffu;
-    union { uint32_t u; float f; } v;
-    if (exp == 0) { /* zero or subnormal: man * 2^-24, exact in fp32 */
-        v.f = (float)man * 5.9604644775390625e-8f;
-        v.u |= sign;
-    } else if (exp == 0x1f) {
-        v.u = sign | 0x7f800000u | (man << 13);
-    } else {
-        v.u = sign | ((exp + 112u) << 23) | (man << 13);
-    }
-    return v.f;
-#endif
-}
 
 /* One output feature's row of nb blocks -> its nb * 32 fp32 weights. */
 static inline void dequantize_row(const int Q8, const uint8_t *w, int nb, float *out) {

@@ -30,3 +30,24 @@ def test_loading_a_kernel_keeps_denormals(name: str) -> None:
     assert out.stdout.split() == ["True", "True"], (
         f"loading kernels.{name} changed the process's float state: {out.stdout}"
     )
+
+
+def test_a_local_header_is_part_of_the_build_key(tmp_path) -> None:
+    """A kernel built from a source and the header it includes is rebuilt when either changes."""
+    from kernels import cbuild
+
+    source, header = tmp_path / "k.c", tmp_path / "k.h"
+    source.write_text('#include <stdint.h>\n#include "k.h"\nint f(void) { return K; }\n')
+    header.write_text("#define K 1\n")
+    assert cbuild.local_headers(source) == [header]
+    first = cbuild.build_key(source, "cc", ("-O2",))
+    header.write_text("#define K 2\n")
+    assert cbuild.build_key(source, "cc", ("-O2",)) != first
+    assert cbuild.build_key(source, "cc", ("-O3",)) != cbuild.build_key(source, "cc", ("-O2",))
+
+
+def test_the_quantized_kernels_share_their_block_header() -> None:
+    from kernels import cbuild, cpu_quant_gemm, cpu_quant_gemv
+
+    for module in (cpu_quant_gemv, cpu_quant_gemm):
+        assert [h.name for h in cbuild.local_headers(module.SOURCE)] == ["cpu_quant_blocks.h"]
