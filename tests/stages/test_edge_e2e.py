@@ -4,7 +4,6 @@ driven by the official `openai` SDK, a plain `websockets` client and httpx."""
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 
@@ -50,21 +49,15 @@ async def pipeline(tmp_path_factory):
     file.tenants["slow"] = msgspec.structs.replace(file.tenants["slow"], requests_per_min=1)
     tenants.write_file(path, file)
     env = {settings.TENANTS.name: str(path), settings.LEDGER_DB.name: str(data / "ledger.duckdb")}
-    before = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
     admission = AdmissionConfig(max_wait_s=0.001)  # a run waiting for a first token: 503
     keys = KeyRing(path, (MODEL,))
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
         async with running_pipeline(
             data, keys, admission=admission, model_aliases=(ALIAS,)
         ) as running:
             yield running
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _client(edge, key: str = ACME_KEY) -> openai.AsyncOpenAI:

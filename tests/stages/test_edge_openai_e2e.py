@@ -5,7 +5,6 @@ echo with logprobs and prompt lists."""
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import openai
@@ -31,17 +30,11 @@ async def pipeline(tmp_path_factory):
     path = data / "tenants.toml"
     tenants.add_key("acme", path=path, api_key=ACME_KEY)
     env = {settings.TENANTS.name: str(path), settings.LEDGER_DB.name: str(data / "ledger.duckdb")}
-    before = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
         async with running_pipeline(data, KeyRing(path, (MODEL,))) as running:
             yield running
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _client(edge) -> openai.AsyncOpenAI:
