@@ -3,9 +3,10 @@ as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, parsed back
 `tool_calls` (whole, or streamed as deltas), and the llguidance grammar that makes them parse.
 
 Invariant: whenever tools may be called (tool_choice auto, required or a named function) the
-output is grammar-constrained: either free text that does not start with `<tool_call>` (auto
-only), or one or more calls whose arguments follow the function's parameter schema. So the
-parser never meets a malformed call; an unfinished one (max_tokens) is left out.
+output is grammar-constrained: free text with no `<tool_call>` in it (auto only), or one or more
+calls whose arguments follow the function's parameter schema, after some text (auto) or at once
+(required, named). So the parser never meets a malformed call; an unfinished one (max_tokens) is
+left out.
 """
 
 from __future__ import annotations
@@ -140,21 +141,29 @@ def _esc(text: str) -> str:
 def tool_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool) -> str | None:
     """The Lark grammar (llguidance) the output must follow; None: no tools may be called.
 
-    auto: free text that does not start with `<tool_call>`, or calls; required: calls of any
-    tool; a named function: calls of that one. `parallel`: one or more calls, else one."""
+    auto: free text with no `<tool_call>` in it, or text and then calls (the text's end is a
+    lazy lexeme: it stops at the first `<tool_call>`, so the model cannot write one that is not
+    a call); required: calls of any tool, at once; a named function: calls of that one.
+    `parallel`: one or more calls, else one."""
     if choice == "none" or not tools:
         return None
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
     bodies = " | ".join(f"%json {json.dumps(_call_schema(t))}" for t in tools)
+    more = ' ("\\n" call)*' if parallel else ""
     lines = [
-        "calls: call" + (' ("\\n" call)*' if parallel else ""),
-        f'call: "{_esc(OPEN)}\\n" ({bodies}) "\\n{_esc(CLOSE)}"',
+        f'call: "{_esc(OPEN)}\\n" body',
+        f'body: ({bodies}) "\\n{_esc(CLOSE)}"',
     ]
     if choice == "auto":
-        lines = ["start: TEXT | calls", *lines, f"TEXT: /(?s:.+)/ & ~/{OPEN}(?s:.*)/"]
+        lines = [
+            f"start: TEXT | head body{more}",
+            f'head[lazy]: /(?s:.*)/ "{_esc(OPEN)}\\n"',
+            *lines,
+            f"TEXT: /(?s:.+)/ & ~/(?s:.*){OPEN}(?s:.*)/",
+        ]
     else:
-        lines = ["start: calls", *lines]
+        lines = [f"start: call{more}", *lines]
     return "\n".join(lines) + "\n"
 
 
@@ -205,8 +214,8 @@ def call_id(request_id: str, index: int) -> str:
 
 def parse(request_id: str, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole output's content and its complete calls (OpenAI's `tool_calls` items), read as
-    the stream reads it, so whole and streamed answers agree. Text that does not start with a
-    call is all content; an unfinished last call (max_tokens) is left out, and an output with
+    the stream reads it, so whole and streamed answers agree. Text before the first call is
+    content; an unfinished last call (max_tokens) is left out, and an output with
     no complete call is all content."""
     stream = ToolCallStream(request_id)
     deltas = stream.feed(text) + stream.end()
@@ -266,8 +275,7 @@ class ToolCallStream:
     def _step(self) -> list[dict[str, Any]] | None:
         """One move of the state machine; None when it must wait for more text."""
         if self.mode == "text":
-            text, self.buffer = self.buffer, ""
-            return [{"content": text}] if text else None
+            return self._text_step()
         if self.mode in ("start", "between"):
             head = self.buffer.lstrip()
             if head.startswith(OPEN):
@@ -280,6 +288,26 @@ class ToolCallStream:
             self.mode = "text"
             return []
         return self._call_step()
+
+    def _text_step(self) -> list[dict[str, Any]] | None:
+        """Text until a `<tool_call>` (auto lets calls follow text): the content before it,
+        less its trailing whitespace, and the call begins; a tail that may still become one
+        (whitespace, then a start of `<tool_call>`) is held back."""
+        at = self.buffer.find(OPEN)
+        if at >= 0:
+            text = self.buffer[:at].rstrip()
+            self.buffer = self.buffer[at + len(OPEN) :]
+            self.mode, self._header_end, self._sent = "call", None, 0
+            self.num_calls += 1
+            return [{"content": text}] if text else []
+        keep = len(self.buffer)
+        for k in range(min(len(OPEN) - 1, len(self.buffer)), 0, -1):
+            if OPEN.startswith(self.buffer[-k:]):
+                keep = len(self.buffer) - k
+                break
+        keep = len(self.buffer[:keep].rstrip())
+        text, self.buffer = self.buffer[:keep], self.buffer[keep:]
+        return [{"content": text}] if text else None
 
     def _call_step(self) -> list[dict[str, Any]] | None:
         index = self.num_calls - 1
@@ -352,6 +380,6 @@ class ToolCallStream:
         """What is held back when the output ends: text that only looked like a call's start
         (an unfinished call's rest is dropped, as parse() does)."""
         text, self.buffer = self.buffer, ""
-        if self.mode in ("start", "text") and self.num_calls == 0 and text:
+        if self.mode in ("start", "text") and text:
             return [{"content": text}]
         return []

@@ -84,6 +84,11 @@ def test_each_tool_choice_allows_what_it_says(grammars):
     assert _follows(grammars, auto, "It is 6.")
     assert _follows(grammars, auto, two)
     assert not _follows(grammars, auto, OPEN + '\n{"name":"multiply","arguments":{"a":"x"}}')
+    text_then_calls = "Let me compute.\n" + two
+    assert _follows(grammars, auto, text_then_calls)
+    assert not _follows(grammars, auto, "Done: " + OPEN + " is a tag.")  # a tag is a call
+    assert not _follows(grammars, auto, call("now", {}) + " and then text")
+    assert not _follows(grammars, required, text_then_calls)  # required: calls at once
     assert tool_grammar(TOOLS, "none", parallel=True) is None
 
 
@@ -107,7 +112,9 @@ OUTPUTS = [
     call("multiply", {"a": 12, "b": -3}),
     call("multiply", {"a": 1, "b": 2}) + "\n" + call("now", {}),
     call("note", {"text": 'a } and "</tool_call>" inside', "n": {"x": [1, {"y": "}"}]}}),
-    "The answer is 6. <tool_call> is a tag.",
+    "The answer is 6. <tool_ is not a tag.",
+    "Let me multiply.\n" + call("multiply", {"a": 1, "b": 2}) + "\n" + call("now", {}),
+    "First <tool_call\n",  # looked like a tag, then did not: held back, then given as text
     "<tool",
     "  ",
 ]
@@ -148,6 +155,9 @@ def test_parse_gives_content_or_calls():
     cut = OUTPUTS[1][: len(OUTPUTS[1]) - 5]  # max_tokens ended the second call
     assert [c["function"]["name"] for c in parse("r1", cut)[1]] == ["multiply"]
     assert parse("r1", OUTPUTS[0][:20]) == (OUTPUTS[0][:20], [])  # no complete call: the text
+    content, calls = parse("r1", OUTPUTS[4])  # text, then two calls
+    assert content == "Let me multiply."
+    assert [c["function"]["name"] for c in calls] == ["multiply", "now"]
 
 
 def test_tools_and_history_render_in_the_hermes_format():
