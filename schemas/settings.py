@@ -362,6 +362,17 @@ NUM_SPECULATIVE_TOKENS = declare(Setting[int](
     help="n-gram draft tokens per step for greedy requests; 0 is off",
     readers=("engine",),
 ))  # fmt: skip
+STREAM_MAX_COALESCE = declare(Setting[int](
+    name="BRIGADE_STREAM_MAX_COALESCE", kind="int", default=8, ge=1,
+    help="tokens one `tokens` event may carry while detokenize lags (a backlog past one step's "
+    "events); one per event while it keeps up; 1: always one",
+    readers=("engine",),
+))  # fmt: skip
+STREAM_LAG_POLL_S = declare(Setting[float](
+    name="BRIGADE_STREAM_LAG_POLL_S", kind="float", default=0.1, gt=0,
+    help="how often the engine stage samples detokenize's backlog",
+    readers=("engine",),
+))  # fmt: skip
 QUANTIZED_GEMV = declare(Setting[bool](
     name="BRIGADE_QUANTIZED_GEMV", kind="bool", default=True,
     help="fp32 GGUF linears read the Q4_1/Q8_0 blocks (a GEMV up to 8 rows, a GEMM above); "

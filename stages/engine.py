@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import msgspec
 
 from engine.errors import RequestRejected
 from schemas.events import (
@@ -39,6 +40,7 @@ from stages.engine_params import (
     rejected,
     sampling_params,
 )
+from stages.engine_stream import StreamConfig, StreamInterval
 from stages.runtime.cpu_priority import CpuPriority, LowPriorityThreads
 from stages.runtime.failures import StageError
 from stages.runtime.service import Held, InputService
@@ -62,6 +64,7 @@ class Run:
     output_ids: list[int] = field(default_factory=list)
     num_tokens_through: list[int] = field(default_factory=list)  # per seq: output count after it
     pending: list[tuple[TokensGenerated, Any]] = field(default_factory=list)  # (event, ack future)
+    unsent: TokensGenerated | None = None  # steps held back while detokenize lags (coalesced)
     cancel: CancelRequested | None = None
     num_cached_tokens: int = 0  # prompt tokens the engine did not compute (prefix cache, fork)
     num_preemptions: int = 0
@@ -114,6 +117,8 @@ class EngineStage(InputService):
         self._to_abort: set[str] = set()
         self._step_reported = False  # this step's first tokens event is out (it carries the size)
         self._work = anyio.Event()  # new work for the step loop
+        # tokens per event: one while detokenize keeps up, more while it lags (engine_stream.py)
+        self.stream = StreamInterval(self.bus, StreamConfig.from_env())
 
     # ---- admission ----
 
@@ -251,7 +256,9 @@ class EngineStage(InputService):
         try:
             async with anyio.create_task_group() as tg:
                 task_status.started()
+                tg.start_soon(self.stream.run, lambda: len(self.runs))
                 await self.step_loop(stopping, tg)
+                tg.cancel_scope.cancel()  # the lag sampler; what steps started has finished
         finally:
             for rid in list(self.runs):
                 self.engine.abort_request(rid)  # no step is running: cancellation waits for it
@@ -330,16 +337,33 @@ class EngineStage(InputService):
                 kv_usage=round(stats.kv_usage, 4),
                 num_step_tokens=None if self._step_reported else stats.num_step_tokens,
             )
+            first_of_step = not self._step_reported  # it carries the step's size: sent now
             self._step_reported = True
             run.output_ids.extend(out.new_token_ids)
-            run.num_tokens_through.append(len(run.output_ids))
-            run.pending.append((event, await self.bus.publish_async(event)))
-            # Let nats-py's flusher write it now: ts_ns was stamped just before, and otherwise
-            # every event of this step would wait for the last one to be prepared.
-            await anyio.sleep(0)
+            run.unsent = event if run.unsent is None else _coalesced(run.unsent, event)
+            if (
+                first_of_step
+                or run.next_seq == 0  # the first token: TTFT never waits
+                or out.finished
+                or len(run.unsent.token_ids) >= self.stream.interval
+            ):
+                await self._send(run)
+        if out.finished and run.unsent is not None and run.stop_seq is None:
+            await self._send(run)  # what an abort or a failure left held
         if out.finished:
             del self.runs[rid]
             tg.start_soon(self._finish, run, out.finish_reason, run.num_prompt, out.seed)
+
+    async def _send(self, run: Run) -> None:
+        """Publish the run's held steps as one `tokens` event (pipelined; `_finish` awaits the
+        acks). Its seq is the next event's: seq counts events, whatever each carries."""
+        event, run.unsent = run.unsent, None
+        assert event is not None, "nothing held to send"
+        run.num_tokens_through.append(len(run.output_ids))
+        run.pending.append((event, await self.bus.publish_async(event)))
+        # Let nats-py's flusher write it now: ts_ns was stamped just before, and otherwise
+        # every event of this step would wait for the last one to be prepared.
+        await anyio.sleep(0)
 
     async def _finish(
         self, run: Run, reason: str, num_prompt_tokens: int, seed: int | None
@@ -394,6 +418,24 @@ class EngineStage(InputService):
             num_running=stats.num_running,
             kv_usage=round(stats.kv_usage, 4),
         )
+
+
+def _coalesced(held: TokensGenerated, step: TokensGenerated) -> TokensGenerated:
+    """`held` (steps not yet sent) followed by one more step: its seq and context stay the
+    held ones', the tokens and logprobs run on, the time adds up, the gauges are the latest."""
+    logprobs = None
+    if held.logprobs is not None and step.logprobs is not None:
+        logprobs = held.logprobs + step.logprobs
+    return msgspec.structs.replace(
+        held,
+        token_ids=held.token_ids + step.token_ids,
+        logprobs=logprobs,
+        service_ns=held.service_ns + step.service_ns,
+        num_waiting=step.num_waiting,
+        num_running=step.num_running,
+        kv_usage=step.kv_usage,
+        num_step_tokens=step.num_step_tokens,
+    )
 
 
 def load_engine() -> Any:

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from schemas import settings
@@ -46,7 +46,10 @@ QUESTIONS = (
     "What does a compiler do?",
     "Tell me about the moon.",
 )
-SIDES = ("engine", "pipeline", "procs", "llama-server")
+SIDES = ("engine", "pipeline", "procs", "llama-server", "pipeline-uncoalesced")
+DEFAULT_SIDES = SIDES[:4]
+# the pipeline with one token to an event always: the coalescing lever's other side
+UNCOALESCED = {"BRIGADE_STREAM_MAX_COALESCE": "1"}
 RETRIES = 5  # a refused (503) request waits its Retry-After and is sent again, as SDKs do
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The targets, at 8 and 32 streams
@@ -67,8 +70,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument(
         "--sides",
-        default=",".join(SIDES),
-        help=f"comma-separated subset of {','.join(SIDES)} (default: all)",
+        default=",".join(DEFAULT_SIDES),
+        help=f"comma-separated subset of {','.join(SIDES)} (default: {','.join(DEFAULT_SIDES)}; "
+        "pipeline-uncoalesced is the pipeline with one token to an event always)",
     )
     p.add_argument(
         "--procs-at", type=int, default=8, help="the concurrency of the --procs side (default 8)"
@@ -297,6 +301,7 @@ class Pipeline:
     procs: bool
     data_dir: Path
     api_key: str = "sk-brigade-bench-serve"
+    env: dict[str, str] = field(default_factory=dict)  # settings of this side
 
     def __enter__(self) -> Pipeline:
         self.port = free_port()
@@ -305,6 +310,7 @@ class Pipeline:
             BRIGADE_DATA_DIR=str(self.data_dir),
             BRIGADE_EDGE_PORT=str(self.port),
             BRIGADE_API_KEY=self.api_key,
+            **self.env,
         )
         for name in ("NATS_URL", "BRIGADE_TENANTS"):
             env.pop(name, None)
@@ -395,13 +401,14 @@ def run(args: argparse.Namespace) -> int:
                 f"engine alone, {c} streams: {results['engine'][c]['aggregate_tps']:.1f} tok/s"
             )
         del eng
-    for side in ("pipeline", "procs"):
+    for side in ("pipeline", "pipeline-uncoalesced", "procs"):
         if side not in sides:
             continue
-        at = levels if side == "pipeline" else [args.procs_at]
+        at = [args.procs_at] if side == "procs" else levels
+        env = UNCOALESCED if side == "pipeline-uncoalesced" else {}
         with tempfile.TemporaryDirectory(prefix="brigade-serve-") as tmp:
             progress(f"{side}: starting brigade up{' --procs' if side == 'procs' else ''}")
-            with Pipeline(procs=side == "procs", data_dir=Path(tmp)) as up:
+            with Pipeline(procs=side == "procs", data_dir=Path(tmp), env=env) as up:
                 drive_http(up.url, up.api_key, model, work_items(2, 8), 2)  # warm-up
                 results[side] = {}
                 for c in at:
@@ -538,6 +545,27 @@ def markdown(report: dict) -> str:
                 f"| {c} | {_f(t.get('of_engine'), 2)} | {_f(t.get('of_llama_server'), 2)} | "
                 f"{'—' if ttft is None else ('yes' if ttft else 'no')} | "
                 f"{_f(t.get('itl_p95_of_step'), 2)} |"
+            )
+    if "pipeline" in sides and "pipeline-uncoalesced" in sides:
+        lines += [
+            "",
+            "Coalescing (several tokens to an event while detokenize lags) against one token to an "
+            "event always, the same pipeline otherwise:",
+            "",
+            "| streams | aggregate, coalescing / not | ITL P95 ms, coalescing / not | "
+            "CPU ms/token, coalescing / not |",
+            "|---:|---:|---|---|",
+        ]
+        off = sides["pipeline-uncoalesced"]
+        for c, on in sorted(sides["pipeline"].items(), key=lambda kv: int(kv[0])):
+            if c not in off:
+                continue
+            o = off[c]
+            lines.append(
+                f"| {c} | {_f(on['aggregate_tps'] / max(o['aggregate_tps'], 1e-9), 2)} | "
+                f"{_f(on['itl_ms']['p95'], 2)} / {_f(o['itl_ms']['p95'], 2)} | "
+                f"{_f(on.get('cpu_ms_per_token_total'), 2)} / "
+                f"{_f(o.get('cpu_ms_per_token_total'), 2)} |"
             )
     for name, by_level in sides.items():
         for c, r in sorted(by_level.items(), key=lambda kv: int(kv[0])):

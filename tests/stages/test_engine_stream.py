@@ -1,0 +1,80 @@
+"""Coalescing `tokens` events while detokenize lags: the interval's rule, and the engine stage on
+a real nats-server against a detokenize durable that falls behind (nothing pulls it), with the
+real SmolLM2 engine: events grow past one token, seq stays contiguous, each event's context is
+the tokens before it, and the text detokenize makes of the events is the text of all tokens."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from schemas import subjects
+from schemas.events import RunFinished, TextGenerated, TokensGenerated
+from stages.detokenize import Detokenizer
+from stages.engine_stream import StreamConfig, StreamInterval
+from stages.runtime.bus import ConsumerSpec
+from tests.stages.test_engine_stage import engine, events_until_end, running_stage, tokenized
+
+__all__ = ["engine"]  # the module fixture, shared
+
+
+def test_the_interval_rises_to_cover_a_backlog_and_falls_back_by_one():
+    s = StreamInterval(None, StreamConfig(max_tokens_per_event=8))
+    assert s.update(backlog=4, num_running=4) == 1  # one step's events: keeping up
+    assert s.update(backlog=9, num_running=4) == 3  # 1 + 9 // 4
+    assert s.update(backlog=5, num_running=4) == 3  # still behind: it does not fall
+    assert s.update(backlog=100, num_running=4) == 8  # at most the cap
+    assert [s.update(0, 4) for _ in range(8)] == [7, 6, 5, 4, 3, 2, 1, 1]
+    assert s.update(backlog=3, num_running=0) == 4  # no runs: a step of one event is the unit
+    off = StreamInterval(None, StreamConfig(max_tokens_per_event=1))
+    assert off.update(backlog=1000, num_running=1) == 1
+
+
+@pytest.mark.anyio
+async def test_events_coalesce_while_detokenize_lags_and_the_text_is_the_same(
+    bus_config, engine, monkeypatch
+):
+    monkeypatch.setenv("BRIGADE_STREAM_MAX_COALESCE", "4")
+    monkeypatch.setenv("BRIGADE_STREAM_LAG_POLL_S", "0.01")
+    prompts = [
+        engine.tokenizer.encode_chat([{"role": "user", "content": f"Count to {n}."}])
+        for n in (5, 6, 7, 8)
+    ]
+    async with running_stage(bus_config, engine) as bus:
+        # detokenize's durable, lagging: nobody pulls it, so its backlog is every event
+        await bus.ensure_consumer(
+            ConsumerSpec(
+                durable=subjects.durable_name("detokenize"),
+                filter_subject=(subjects.all_events("tokens"), subjects.all_events("finished")),
+            )
+        )
+        sub = await bus.nc.subscribe("llm.ev.*.>")
+        for i, prompt in enumerate(prompts):
+            await bus.publish(tokenized(f"r{i}", prompt, max_tokens=40, ignore_eos=True))
+        got = await events_until_end(sub, {f"r{i}" for i in range(len(prompts))})
+        await anyio.sleep(0)
+    detok = Detokenizer(engine.tokenizer)
+    sizes = []
+    for events in got.values():
+        tokens = [e for e in events if isinstance(e, TokensGenerated)]
+        (fin,) = [e for e in events if isinstance(e, RunFinished)]
+        ids = [t for e in tokens for t in e.token_ids]
+        assert len(ids) == fin.usage.completion_tokens == 40
+        assert [e.seq for e in tokens] == list(range(len(tokens)))  # seq counts events
+        assert fin.last_seq == len(tokens) - 1
+        assert len(tokens[0].token_ids) == 1  # the first token is never held
+        at = 0
+        for e in tokens:  # each event's context is the tokens just before it
+            assert e.context_token_ids == ids[:at][-len(e.context_token_ids) :]
+            assert len(e.context_token_ids) == min(at, 8)
+            at += len(e.token_ids)
+        text = "".join(
+            out.text
+            for e in [*tokens, fin]
+            for out in detok.handle(e)
+            if isinstance(out, TextGenerated)
+        )
+        assert text == engine.tokenizer.decode(ids)
+        sizes += [len(e.token_ids) for e in tokens]
+    assert max(sizes) == 4  # coalesced up to the cap under the backlog, never past it
+    assert len(sizes) < len(prompts) * 40 * 0.6  # far fewer events than tokens
