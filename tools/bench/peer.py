@@ -6,6 +6,12 @@ tokens at 1, 8 and 32 streams after a 128-token prompt each, counting only decod
 (llama-batched-bench's S_TG = streams x 128 / decode time). llama.cpp comes from --llama-cpp-dir /
 LLAMA_CPP_DIR, or is built from the llama-cpp-python sdist under the data dir (tools/bench/
 llama_cpp.py); where it cannot be had, the run says why and measures Brigade alone.
+
+Beside them, the floor under single-stream decode: a decode step at batch 1 reads every weight
+once (the GGUF's tensor data: the linears and the tied LM head), so no engine reading those
+bytes from memory decodes faster than the machine's read bandwidth over them. The bench measures
+that bandwidth (a sum over a buffer far larger than the caches, on the same threads) and says
+whether the single-stream target sits above the ceiling.
 Writes peer.md and peer.json.
 """
 
@@ -31,6 +37,53 @@ METRICS = {
     "decode_8": ("decode, 8 streams together, total tok/s", 2.0),
     "decode_32": ("decode, 32 streams together, total tok/s", 3.0),
 }
+
+
+BANDWIDTH_BYTES = 1 << 30  # read per pass: far past any L3 a 2-core VM is given
+
+
+def weight_bytes(gguf: Path) -> int:
+    """Bytes a batch-1 decode step reads from the weights: the file's tensor data (it starts
+    at the first tensor's offset; every tensor is read once a token, the tied LM head included;
+    the norms are a few KiB)."""
+    from engine.weights import read_gguf_header
+
+    header = read_gguf_header(gguf)
+    start = min(t.offset for t in header.tensors.values())
+    return gguf.stat().st_size - start
+
+
+def read_bandwidth(threads: int, repetitions: int = 5, nbytes: int = BANDWIDTH_BYTES) -> float:
+    """Bytes a second that `threads` threads read from memory: the best of `repetitions` sums
+    over one buffer of `nbytes` (touched first, so its pages are resident)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(nbytes // 4, dtype=torch.float32)
+        float(buf.sum())  # warm: pages mapped, threads started
+        best = float("inf")
+        for _ in range(repetitions):
+            t0 = time.perf_counter()
+            float(buf.sum())
+            best = min(best, time.perf_counter() - t0)
+        return buf.numel() * 4 / best
+    finally:
+        torch.set_num_threads(before)
+
+
+def floor_row(weights: int, bandwidth: float, llama: dict[str, float] | None) -> dict:
+    """The single-stream ceiling (bandwidth / weight bytes a token) against the target."""
+    ceiling = bandwidth / weights
+    target = None if llama is None or not llama.get("tg128") else 1.3 * llama["tg128"]
+    return {
+        "weight_mib": round(weights / 2**20, 1),
+        "bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "ceiling_tok_s": round(ceiling, 1),
+        "target_tok_s": None if target is None else round(target, 1),
+        "target_above_ceiling": None if target is None else target > ceiling,
+    }
 
 
 def register(subparsers) -> None:
@@ -209,6 +262,21 @@ def markdown(res: dict) -> str:
         lines.append(
             f"| {r['what']} | {peer} | {r['brigade']:,.1f} | {ratio} | {target} | {verdict} |"
         )
+    floor = res.get("floor")
+    if floor:
+        lines += [
+            "",
+            f"Single-stream floor: a decode step reads {floor['weight_mib']:,} MiB of weights; "
+            f"this machine reads {floor['bandwidth_gb_s']} GB/s on {threads} thread"
+            f"{'s' if threads != 1 else ''}, so no engine reading them decodes one stream faster "
+            f"than {floor['ceiling_tok_s']:,.1f} tok/s.",
+        ]
+        if floor["target_tok_s"] is not None:
+            where = "above" if floor["target_above_ceiling"] else "below"
+            lines[-1] += (
+                f" The target (1.3x llama.cpp's tg128) is {floor['target_tok_s']:,.1f} tok/s: "
+                f"{where} that ceiling."
+            )
     if load[0] > threads:
         busy = "The machine was busy (load average above the threads): a smoke run, not figures"
         lines += ["", f"{busy} to quote."]
@@ -266,5 +334,6 @@ def run(args: argparse.Namespace) -> int:
     res["brigade"] = {k: round(v, 1) for k, v in brigade.items()}
     res["llama_cpp"] = None if llama is None else {k: round(v, 1) for k, v in llama.items()}
     res["rows"] = ratio_rows(brigade, llama)
+    res["floor"] = floor_row(weight_bytes(gguf), read_bandwidth(args.threads), llama)
     write_results(args.out, "peer", res, markdown(res))
     return 0

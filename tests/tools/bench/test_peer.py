@@ -250,3 +250,25 @@ def test_finds_a_build_under_build_bin(tmp_path):
         (bin_dir / name).write_text("")
     found = peer.find_llama_cpp(tmp_path, tmp_path, skip_build=True)
     assert found.bench == bin_dir / "llama-bench" and found.server is None
+
+
+def test_the_single_stream_floor_is_the_weights_over_the_read_bandwidth():
+    from engine.weights import read_gguf_header, resolve_model
+
+    gguf = resolve_model("smollm2-135m")
+    weights = peer.weight_bytes(gguf)
+    header = read_gguf_header(gguf)
+    assert 90 * 2**20 < weights < gguf.stat().st_size  # the tensor data, not the header
+    assert weights == gguf.stat().st_size - header.tensors["token_embd.weight"].offset
+    bandwidth = peer.read_bandwidth(threads=1, repetitions=2, nbytes=64 << 20)
+    assert 1e8 < bandwidth < 1e12  # bytes a second: 0.1 to 1000 GB/s
+    row = peer.floor_row(weights, bandwidth=20e9, llama={"tg128": 200.0})
+    assert row["ceiling_tok_s"] == round(20e9 / weights, 1)
+    assert row["target_tok_s"] == 260.0
+    assert row["target_above_ceiling"] == (260.0 > 20e9 / weights)
+    assert peer.floor_row(weights, 20e9, None)["target_above_ceiling"] is None
+    text = peer.markdown(
+        {"threads": 2, "load_average_at_start": [0.1, 0.1, 0.1], "quick": True, "gguf": "m.gguf",
+         "rows": [], "llama_cpp_skipped": None, "llama_cpp_build_flags": [], "floor": row}
+    )  # fmt: skip
+    assert f"than {row['ceiling_tok_s']:,.1f} tok/s" in text and "1.3x llama.cpp" in text
