@@ -373,7 +373,7 @@ class EngineStage(InputService):
             for event, future in run.pending:  # a lost ack (a server restart): published again
                 await self.bus.acked(event, future)
             finished = self._finished_event(run, reason, num_prompt_tokens, seed)
-            await self.bus.publish(finished)
+            await self.bus.acked(finished, await self.bus.publish_async(finished))  # an election
             await run.held.ack()
         except Exception:  # noqa: BLE001 - unacked, the input comes back and is re-run
             log.exception("could not store the end of %s; it will be redelivered", run.request_id)

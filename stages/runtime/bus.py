@@ -1,7 +1,9 @@
 """The connection to NATS JetStream and the idempotent set-up of Brigade's streams, consumers and KV.
 
 `NATS_URL` (comma-separated for a cluster) wins; otherwise the private server of a running
-`brigade up` is found through its state file. Every event is published with `Nats-Msg-Id` dedupe.
+`brigade up` is found through its state file. Every event is published with `Nats-Msg-Id` dedupe,
+and a pipelined publish whose ack does not come (lost in an election or a restart) is published
+again by the bus itself, so the log has every event soon after it was sent, whoever awaits it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import datetime
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -24,6 +27,7 @@ from nats.js.kv import KeyValue
 from schemas import settings, subjects
 from schemas.events import AnyEvent, Event, Submit, SubmitReply, decode_event, encode
 from stages.runtime import natsd
+from stages.runtime.failures import bus_unavailable
 from stages.runtime.heartbeat import TTL_S as HEARTBEAT_TTL_S
 
 log = logging.getLogger("brigade.bus")
@@ -31,6 +35,8 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 _reply_decoder = msgspec.json.Decoder(SubmitReply)
 STREAM_NAME_IN_USE = 10058  # JetStream err_code: a stream exists with another configuration
 PUBLISH_ACK_TIMEOUT_S = 5.0  # a pipelined publish's ack, before it is published again
+PUBLISH_GIVE_UP_S = 60.0  # no ack for this long, across every attempt: the publish fails
+ACK_CHECK_S = 0.25  # how often the unacked publishes are looked over
 # Submits wait in memory until the gateway takes them; past this the publisher is refused.
 SUBMIT_STREAM_MAX_BYTES = 256 * 1024 * 1024
 
@@ -47,6 +53,8 @@ class BusConfig:
     idempotency_ttl_s: float = 24 * 3600.0
     rates_ttl_s: float = 3600.0
     connect_timeout_s: float = 5.0
+    publish_ack_timeout_s: float = PUBLISH_ACK_TIMEOUT_S
+    publish_give_up_s: float = PUBLISH_GIVE_UP_S
     user: str | None = None  # NATS authentication (deploy/nats/brigade.conf's users)
     password: str | None = field(default=None, repr=False)
 
@@ -57,6 +65,11 @@ class BusConfig:
             raise ValueError(f"replicas={self.replicas}: JetStream allows 1, 3 or 5")
         if self.events_max_age_s <= 0:
             raise ValueError(f"events_max_age_s={self.events_max_age_s} must be > 0")
+        if not 0 < self.publish_ack_timeout_s < self.publish_give_up_s:
+            raise ValueError(
+                f"need 0 < publish_ack_timeout_s ({self.publish_ack_timeout_s}) < "
+                f"publish_give_up_s ({self.publish_give_up_s})"
+            )
 
     @property
     def duplicate_window_s(self) -> float:
@@ -111,6 +124,19 @@ class ConsumerSpec:
             )
 
 
+@dataclass(eq=False)
+class _Unacked:
+    """A pipelined publish not acknowledged yet: `sent` is the attempt in flight, `acked` what the
+    publisher awaits (the first attempt's ack, or a later one's)."""
+
+    event: Event
+    message: tuple[str, bytes, dict[str, str]]  # subject, payload, headers: sent again as they were
+    sent: asyncio.Future[api.PubAck]
+    acked: asyncio.Future[api.PubAck]
+    due: float  # monotonic: published again when no ack came by then
+    give_up: float  # monotonic: past this the publish fails
+
+
 class Bus:
     """One NATS connection with its JetStream context. Build with `await Bus.connect(...)`."""
 
@@ -120,6 +146,9 @@ class Bus:
         self.config = config
         self._kv: dict[str, KeyValue] = {}
         self._pulls: list[JetStreamContext.PullSubscription] = []
+        self._unacked: deque[_Unacked] = deque()  # by `due`, oldest first
+        self._ack_watch: asyncio.Task | None = None
+        self.num_republished = 0
 
     @classmethod
     async def connect(cls, config: BusConfig | None = None, *, name: str = "brigade") -> Bus:
@@ -139,6 +168,12 @@ class Bus:
 
     async def close(self) -> None:
         """Flush what was published, then close (`drain` also unsubscribes gracefully)."""
+        if self._ack_watch is not None:
+            self._ack_watch.cancel()
+        while self._unacked:  # nobody publishes them again now: their awaiters hear it
+            pending = self._unacked.popleft()
+            if not pending.acked.done():
+                pending.acked.set_exception(nats.errors.ConnectionClosedError())
         if self.nc.is_closed:
             return
         # nats.py's fetch takes messages without task_done, so draining a pull subscription
@@ -316,41 +351,93 @@ class Bus:
         return await self.js.publish(subject, payload, headers=headers)
 
     async def publish_async(self, event: Event) -> asyncio.Future[api.PubAck]:
-        """Pipelined publish: returns the ack future at once (tokens, text deltas)."""
-        subject, payload, headers = self._prepare(event)
-        return await self.js.publish_async(subject, payload, headers=headers)
+        """Pipelined publish: returns the ack future at once (tokens, text deltas).
+
+        nats-py's own future has no deadline, and a publish that reaches a stream with no leader
+        (an election) or a server that dies before storing it gets no answer at all. So the bus
+        watches every pipelined publish: one without an ack after `publish_ack_timeout_s` is
+        published again (its Nats-Msg-Id stores it once), until `publish_give_up_s`, when the
+        future fails. It is published again then, not when the publisher comes to await it: a
+        run's tokens lost in an election are stored a few seconds late, not after its end."""
+        message = self._prepare(event)
+        subject, payload, headers = message
+        sent = await self.js.publish_async(subject, payload, headers=headers)
+        acked: asyncio.Future[api.PubAck] = asyncio.get_running_loop().create_future()
+        now = time.monotonic()
+        c = self.config
+        pending = _Unacked(event, message, sent, acked, now + c.publish_ack_timeout_s,
+                           now + c.publish_give_up_s)  # fmt: skip
+        sent.add_done_callback(lambda f: _settle(pending, f))
+        self._unacked.append(pending)
+        if self._ack_watch is None or self._ack_watch.done():
+            self._ack_watch = asyncio.create_task(self._watch_acks())
+        return acked
+
+    async def _watch_acks(self) -> None:
+        """Publish again what has no ack by its due time, until nothing is unacked."""
+        while self._unacked:
+            now = time.monotonic()
+            again: list[_Unacked] = []
+            while self._unacked and (self._unacked[0].acked.done() or self._unacked[0].due <= now):
+                pending = self._unacked.popleft()
+                if not pending.acked.done():
+                    again.append(pending)
+            if again:
+                await self._publish_again(again, now)
+            await asyncio.sleep(ACK_CHECK_S)
+
+    async def _publish_again(self, again: list[_Unacked], now: float) -> None:
+        first = again[0].event
+        log.warning(
+            "no ack within %.1f s for %d event(s) (the first: %s of %s, seq %s); publishing "
+            "them again", self.config.publish_ack_timeout_s, len(again), event_tag(first),
+            first.request_id, getattr(first, "seq", None),
+        )  # fmt: skip
+        for pending in again:
+            pending.sent.cancel()
+            if now >= pending.give_up:
+                pending.acked.set_exception(
+                    TimeoutError(
+                        f"no ack for {event_tag(pending.event)} of {pending.event.request_id} "
+                        f"within {self.config.publish_give_up_s:.0f} s of publishing it, "
+                        f"retried every {self.config.publish_ack_timeout_s:.1f} s"
+                    )
+                )
+                continue
+            pending.due = now + self.config.publish_ack_timeout_s
+            try:
+                subject, payload, headers = pending.message
+                pending.sent = await self.js.publish_async(subject, payload, headers=headers)
+            except Exception as err:  # noqa: BLE001 - the connection is away: the next round
+                if not bus_unavailable(err):
+                    pending.acked.set_exception(err)
+                    continue
+            else:
+                pending.sent.add_done_callback(lambda f, p=pending: _settle(p, f))
+            self.num_republished += 1
+            self._unacked.append(pending)
 
     async def publish_all(self, events: list[Event]) -> list[api.PubAck]:
         """Publish several events pipelined and wait until every one is acknowledged."""
         if len(events) == 1:
             return [await self.publish(events[0])]
         futures = [await self.publish_async(e) for e in events]
-        return [await self.acked(e, f) for e, f in zip(events, futures, strict=True)]
+        return [await f for f in futures]
 
-    async def acked(
-        self,
-        event: Event,
-        future: asyncio.Future[api.PubAck],
-        timeout_s: float = PUBLISH_ACK_TIMEOUT_S,
-    ) -> api.PubAck:
-        """The stream's ack of a pipelined publish. nats-py's future has no deadline: an ack that
-        a server restart lost never comes. Past `timeout_s`, or when the future failed, the event
-        is published again and its ack awaited (its Nats-Msg-Id stores it once)."""
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
-        except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as err:
-            future.cancel()
-            log.warning("no ack for %s (%s); publishing it again", event_tag(event),
-                        type(err).__name__)  # fmt: skip
-            return await self.publish(event)
+    async def acked(self, event: Event, future: asyncio.Future[api.PubAck]) -> api.PubAck:
+        """The stream's ack of a pipelined publish (`future` from publish_async): the bus has
+        published it again meanwhile if need be; raises once it gave up."""
+        return await future
 
     def _prepare(self, event: Event) -> tuple[str, bytes, dict[str, str]]:
         tag = event_tag(event)
         if event.ts_ns == 0:
             event = msgspec.structs.replace(event, ts_ns=time.time_ns())
         seq = getattr(event, "seq", None)
+        model = getattr(event, "model", None) if tag in subjects.ROUTED_EVENTS else None
+        route = None if model is None else subjects.model_token(model)
         return (
-            subjects.event_subject(event.request_id, tag),
+            subjects.event_subject(event.request_id, tag, route),
             encode(event),
             {MSG_ID_HEADER: subjects.msg_id(event.request_id, tag, seq)},
         )
@@ -432,6 +519,18 @@ async def publish_submit(
     """Publish one submit on llm.in (see submit_message) and wait for the queue's ack."""
     payload, headers = submit_message(submit, api_key=api_key, reply_to=reply_to)
     return await js.publish(subjects.SUBMIT, payload, headers=headers)
+
+
+def _settle(pending: _Unacked, sent: asyncio.Future[api.PubAck]) -> None:
+    """An attempt answered: any attempt's ack is the publish's; the current attempt's refusal
+    fails it unless it says the bus is away (no responders mid-election: the next attempt)."""
+    if pending.acked.done() or sent.cancelled():
+        return
+    err = sent.exception()
+    if err is None:
+        pending.acked.set_result(sent.result())
+    elif sent is pending.sent and not bus_unavailable(err):
+        pending.acked.set_exception(err)
 
 
 def event_tag(event: Event) -> str:

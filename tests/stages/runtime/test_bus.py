@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from pathlib import Path
 
 import anyio
 import pytest
 
 from schemas import settings, subjects
-from schemas.events import CancelRequested, TextGenerated
+from schemas.events import CancelRequested, TextGenerated, TokensGenerated
 from stages.runtime import natsd
 from stages.runtime.bus import Bus, BusConfig, ConsumerSpec
 
@@ -103,3 +105,46 @@ async def test_workers_racing_to_create_one_durable_both_succeed(bus_config: Bus
     finally:
         for bus in buses:
             await bus.close()
+
+
+async def test_pipelined_publishes_with_no_answer_are_published_again_together(
+    bus_config: BusConfig,
+) -> None:
+    """20 token events published while no stream takes them (a stream with no leader answers
+    nothing, a missing one answers no responders): the bus publishes each again after its ack
+    timeout, all in the same round, not one timeout per event as its awaiter reaches it, and
+    each is stored once, in the order it was sent."""
+    config = dataclasses.replace(bus_config, publish_ack_timeout_s=0.5)
+    bus = await Bus.connect(config)
+    try:
+        events = [TokensGenerated(request_id="r1", seq=i, token_ids=[i]) for i in range(20)]
+        started = time.monotonic()
+        futures = [await bus.publish_async(e) for e in events]
+        await anyio.sleep(0.1)
+        assert not any(f.done() for f in futures)  # refused, and waiting for the next attempt
+        await bus.ensure_streams()
+        acks = [await bus.acked(e, f) for e, f in zip(events, futures, strict=True)]
+        elapsed = time.monotonic() - started
+        assert bus.num_republished == 20 and elapsed < 0.5 + 1.0, elapsed
+        assert [a.seq for a in acks] == list(range(1, 21))  # stored in seq order, once each
+        replayed = await bus.replay("r1")
+        assert [e.seq for e in replayed] == list(range(20))
+    finally:
+        await bus.close()
+
+
+async def test_a_pipelined_publish_never_answered_fails_at_its_give_up_time(
+    bus_config: BusConfig,
+) -> None:
+    config = dataclasses.replace(bus_config, publish_ack_timeout_s=0.2, publish_give_up_s=1.0)
+    bus = await Bus.connect(config)
+    try:
+        started = time.monotonic()
+        future = await bus.publish_async(TokensGenerated(request_id="r1", seq=0, token_ids=[1]))
+        with pytest.raises(TimeoutError, match="within 1 s"):
+            await future
+        assert 1.0 <= time.monotonic() - started < 1.6
+        # published again every ack timeout (looked over every 0.25 s), then it gave up
+        assert 3 <= bus.num_republished <= 4, bus.num_republished
+    finally:
+        await bus.close()
