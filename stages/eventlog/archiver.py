@@ -182,11 +182,25 @@ class Archiver(Service):
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Archive until `stopping`, then write what is buffered and ack it (confirmed)."""
-        await self.start()
+        """Archive until `stopping`, then write what is buffered and ack it (confirmed). While
+        the bus is away at start (a JetStream election answers ServiceUnavailable) the start
+        waits and is tried again, with a bounded backoff."""
+        backoff = Backoff()
+        while True:
+            try:
+                await self.start()
+                break
+            except Exception as err:  # noqa: BLE001 - only the bus being away is waited out
+                if not bus_unavailable(err) or stopping.is_set():
+                    raise
+                delay = backoff.delay()
+                log.warning("archiver: the bus is unavailable at start (%s: %s); retrying in "
+                            "%.1f s", type(err).__name__, err, delay)  # fmt: skip
+                with anyio.move_on_after(delay):
+                    await stopping.wait()
         task_status.started()
         timeout = min(self.config.max_age_s, 1.0)
-        backoff = Backoff()
+        backoff.reset()
         while not stopping.is_set():
             try:
                 await self._step(timeout)

@@ -100,8 +100,9 @@ class StageWorker:
 
     async def start(self, stop: anyio.Event | None = None) -> None:
         """Streams, the cancel subscription, the advisory, the durable, setup, the service.
-        While the bus is away (an election, a restart) the set-up waits and retries, with a
-        bounded backoff, until it answers or `stop` is set."""
+        While the bus is away (an election, a restart) the set-up, the spec's `setup` too (its
+        bucket lookups), waits and retries, with a bounded backoff, until it answers or `stop`
+        is set."""
         await self._until_bus_answers(self.bus.ensure_streams, stop)
         if self.spec.has_input:
             self._cancel_sub = await self.ctx.cancels.subscribe(self.bus)
@@ -112,7 +113,8 @@ class StageWorker:
             )
             await self._until_bus_answers(lambda: self.bus.ensure_consumer(consumer), stop)
         if self.spec.setup is not None:
-            self.state = await self.spec.setup(self.ctx)
+            setup = self.spec.setup
+            self.state = await self._until_bus_answers(lambda: setup(self.ctx), stop)
         if self.spec.service is not None:
             self.service = self.spec.service(self.ctx, self.state)
             if self.spec.has_input and not isinstance(self.service, InputService):
@@ -122,12 +124,11 @@ class StageWorker:
                 )
             self.ctx.cancels.on_cancel(self.service.on_cancel)
 
-    async def _until_bus_answers(self, call, stop: anyio.Event | None) -> None:
+    async def _until_bus_answers(self, call, stop: anyio.Event | None) -> Any:
         backoff = Backoff()
         while True:
             try:
-                await call()
-                return
+                return await call()
             except Exception as err:  # noqa: BLE001 - only the bus being away is waited out
                 if not bus_unavailable(err) or (stop is not None and stop.is_set()):
                     raise
