@@ -1,11 +1,14 @@
 """`brigade chaos`: streamed load through the edge while faults strike in turn, one row per fault.
 
 It starts its own deployment (a nats-server on a fixed loopback port with a persistent store,
-and `brigade up --procs` on it), streams an uninterrupted baseline, then for each fault streams
-the same prompts and strikes once the first tokens flow (the stages ahead of the engine: just
-before the load): SIGKILL of a stage's process (found by its heartbeat; `kill:engine` is the
-engine mid-decode), a whole NATS restart on its port and store, or a poison on llm.in and on
-every event subject. Each row counts, from what the client
+or with `--cluster` a local three-node JetStream cluster with R3 streams, and `brigade up
+--procs` on it), streams an uninterrupted baseline, then for each fault streams the same prompts
+and strikes once the first tokens flow (the stages ahead of the engine: just before the load):
+SIGKILL of a stage's process (found by its heartbeat; `kill:engine` is the engine mid-decode),
+a whole NATS restart on its port and store, a poison on llm.in and on every event subject, or
+(on the cluster) SIGKILL of one node of three, chosen by what it leads when the fault strikes,
+started again on its ports and store after `--node-down` seconds. Each row counts, from what
+the client
 saw and what the log holds: requests sent, completed, failed with a clear error (an OpenAI
 error with a code), lost (accepted, never terminal), duplicated text (the client got more than
 the log's text), text differing from the baseline, billed twice, told failed but billed, and
@@ -23,12 +26,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 STAGE_FAULTS = ("gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger",
                 "archiver", "sweeper", "edge")  # fmt: skip
 FAULTS = (*(f"kill:{s}" for s in STAGE_FAULTS), "nats-restart", "poison")
+# One node of the three-node cluster: one that leads nothing Brigade's streams need, the meta
+# leader, and the leaders of the event log and of the submit queue (chosen at the strike).
+NODE_FAULTS = ("nats-node:follower", "nats-node:meta-leader", "nats-node:events-leader",
+               "nats-node:in-leader")  # fmt: skip
+CLUSTER_FAULTS = (*NODE_FAULTS, *FAULTS)
 # Struck just before the load: the stages ahead of the engine pass a request in milliseconds,
 # so their requests wait in the durable for the restarted worker. The rest strike mid-decode.
 EARLY_FAULTS = ("kill:gateway", "kill:auth", "kill:context", "kill:tokenize")
@@ -45,8 +54,14 @@ ADMISSION_WAIT_S = 120.0
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("chaos", help="streamed load while each fault strikes; a table")
-    p.add_argument("--faults", default=",".join(FAULTS),
-                   help=f"comma-separated, in order (default: all of {', '.join(FAULTS)})")  # fmt: skip
+    p.add_argument("--faults",
+                   help=f"comma-separated, in order (default: all of {', '.join(FAULTS)}; with "
+                   f"--cluster also {', '.join(NODE_FAULTS)}, first)")  # fmt: skip
+    p.add_argument("--cluster", action="store_true",
+                   help="run on a local three-node JetStream cluster (R3 streams) from the "
+                   "nats-server wheel instead of one server")  # fmt: skip
+    p.add_argument("--node-down", type=float, default=5.0,
+                   help="seconds a killed cluster node stays down before it starts again")  # fmt: skip
     p.add_argument("--requests", type=int, default=6, help="concurrent streams per fault")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request")
     p.add_argument("--ack-wait", type=float, default=5.0,
@@ -95,14 +110,33 @@ class Row:
 
 
 class Deployment:
-    """A nats-server on a fixed port and persistent store, and `brigade up --procs` on it."""
+    """A nats-server on a fixed port and persistent store (or, `cluster`, three nodes with R3
+    streams, each on fixed ports and its own store), and `brigade up --procs` on it."""
 
-    def __init__(self, data_dir: Path, ack_wait_s: float) -> None:
+    def __init__(self, data_dir: Path, ack_wait_s: float, *, cluster: bool = False,
+                 node_down_s: float = 5.0) -> None:  # fmt: skip
         self.data_dir = data_dir
         self.ack_wait_s = ack_wait_s
         self.server = None
+        self.cluster = None
+        self.clustered = cluster
+        self.node_down_s = node_down_s
         self.proc: subprocess.Popen | None = None
         self.edge_port = _free_port()
+        # Servers are started again from one thread that lives as long as the deployment: each
+        # server dies with the thread that started it (natsd.die_with_parent), and a pool's
+        # idle threads exit.
+        self._nats_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chaos-nats")
+
+    async def off_loop(self, fn: Callable[[], None]) -> None:
+        """Run a blocking server start or stop on the deployment's own thread."""
+        import asyncio
+
+        await asyncio.get_running_loop().run_in_executor(self._nats_thread, fn)
+
+    @property
+    def nats_url(self) -> str:
+        return self.cluster.url if self.cluster is not None else self.server.url
 
     @property
     def edge_url(self) -> str:
@@ -110,16 +144,21 @@ class Deployment:
 
     def start(self, timeout_s: float = 600.0) -> None:
         from stages.runtime import natsd
+        from stages.runtime.natscluster import NatsCluster
 
-        self.server = natsd.start(self.data_dir / "nats")
+        if self.clustered:
+            self.cluster = NatsCluster(self.data_dir / "nats-cluster").start()
+        else:
+            self.server = natsd.start(self.data_dir / "nats")
         env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "BRIGADE_ARCHIVE_DIR")}
         env.update(BRIGADE_DATA_DIR=str(self.data_dir), BRIGADE_EDGE_PORT=str(self.edge_port),
                    BRIGADE_API_KEY=API_KEY, BRIGADE_ACK_WAIT_S=str(self.ack_wait_s),
-                   BRIGADE_EDGE_MAX_WAIT_S=str(ADMISSION_WAIT_S))  # fmt: skip
+                   BRIGADE_EDGE_MAX_WAIT_S=str(ADMISSION_WAIT_S),
+                   BRIGADE_STREAM_REPLICAS="3" if self.clustered else "1")  # fmt: skip
         log_path = self.data_dir / "up.log"
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tools.cli", "up", "--procs", "--nats-url", self.server.url],
+                [sys.executable, "-m", "tools.cli", "up", "--procs", "--nats-url", self.nats_url],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True,
             )  # fmt: skip
@@ -132,17 +171,58 @@ class Deployment:
     def config(self):
         from stages.runtime.bus import BusConfig
 
+        if self.cluster is not None:
+            return BusConfig(servers=self.cluster.urls, replicas=3)
         return BusConfig(servers=(self.server.url,))
 
     def restart_nats(self, down_s: float = 1.0) -> None:
+        """Every server down, then up again on its ports and store (all nodes of a cluster)."""
         from urllib.parse import urlparse
 
         from stages.runtime import natsd
 
+        if self.cluster is not None:
+            self.cluster.stop()
+            time.sleep(down_s)
+            self.cluster.start()
+            return
         port = urlparse(self.server.url).port
         natsd.stop(self.server)
         time.sleep(down_s)
         self.server = natsd.start(self.data_dir / "nats", port=port)
+
+    def node_to_kill(self, fault: str) -> tuple[str, str]:
+        """(node, what it leads) for a `nats-node:*` fault, read from the nodes as it strikes."""
+        from schemas import subjects
+
+        c = self.cluster
+        if c is None:
+            raise RuntimeError(f"{fault} needs the cluster: run brigade chaos --cluster")
+        streams = {"events": subjects.EVENTS_STREAM, "in": subjects.SUBMIT_STREAM}
+        which = fault.removeprefix("nats-node:")
+        deadline = time.monotonic() + 30.0
+        while True:  # a leader just killed is being replaced: wait for the election
+            if which == "follower":
+                node = c.follower(*streams.values())
+            elif which == "meta-leader":
+                node = c.meta_leader()
+            else:
+                node = c.stream_leader(streams[which.removesuffix("-leader")])
+            if node is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if node is None:
+            raise RuntimeError(f"{fault}: no running node leads it after 30 s")
+        led = [name for name, leader in (("meta", c.meta_leader()),
+               *((s, c.stream_leader(s)) for s in streams.values())) if leader == node]  # fmt: skip
+        return node, ", ".join(led) or "nothing"
+
+    def kill_node(self, node: str) -> None:
+        """SIGKILL one node; start it again on its ports and store after node_down_s."""
+        assert self.cluster is not None, "node faults run on the cluster"
+        self.cluster.kill(node)
+        time.sleep(self.node_down_s)
+        self.cluster.restart(node)
 
     def stop(self) -> None:
         from stages.runtime import natsd
@@ -156,6 +236,9 @@ class Deployment:
                 self.proc.wait()
         if self.server is not None:
             natsd.stop(self.server)
+        if self.cluster is not None:
+            self.cluster.stop()
+        self._nats_thread.shutdown(wait=False)
 
 
 def _free_port() -> int:
@@ -408,18 +491,23 @@ async def run_faults(deploy: Deployment, faults: tuple[str, ...], n: int, max_to
         elif fault == "nats-restart":
 
             async def strike() -> None:
-                import anyio
-
-                await anyio.to_thread.run_sync(deploy.restart_nats)
+                await deploy.off_loop(deploy.restart_nats)
         elif fault == "poison":
 
             async def strike() -> None:
                 await _poison(config)
+        elif fault in NODE_FAULTS:
+            node, led = deploy.node_to_kill(fault)
+            label = f"{fault} ({node}: leads {led})"
+
+            async def strike(node: str = node) -> None:
+                await deploy.off_loop(lambda: deploy.kill_node(node))
         else:
-            raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
+            raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(CLUSTER_FAULTS)}")
         early = fault in EARLY_FAULTS
         outcomes = await drive(deploy.edge_url, config, n, max_tokens, strike, early)
-        rows.append(await audit(fault, config, outcomes, baseline))
+        rows.append(await audit(label if fault in NODE_FAULTS else fault, config, outcomes,
+                                baseline))  # fmt: skip
         report(rows[-1])
         await _wait_ready(deploy, stages, killed)
     return rows
@@ -442,16 +530,19 @@ def table(rows: list[Row]) -> str:
 def run(args) -> int:
     import anyio
 
-    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
-    unknown = [f for f in faults if f not in FAULTS]
-    if unknown or args.requests < 1 or args.max_tokens < 1:
-        print(f"brigade chaos: unknown fault(s) {unknown} (choose from {', '.join(FAULTS)}); "
-              "--requests and --max-tokens must be >= 1", file=sys.stderr)  # fmt: skip
+    known = CLUSTER_FAULTS if args.cluster else FAULTS
+    faults = tuple(f.strip() for f in (args.faults or ",".join(known)).split(",") if f.strip())
+    unknown = [f for f in faults if f not in known]
+    if unknown or args.requests < 1 or args.max_tokens < 1 or args.node_down < 0:
+        hint = "" if args.cluster else f" ({', '.join(NODE_FAULTS)} need --cluster)"
+        print(f"brigade chaos: unknown fault(s) {unknown} (choose from {', '.join(known)}){hint}; "
+              "--requests and --max-tokens must be >= 1, --node-down >= 0", file=sys.stderr)  # fmt: skip
         return 2
     with tempfile.TemporaryDirectory(prefix="brigade-chaos-") as tmp:
         data_dir = args.data_dir or Path(tmp)
         data_dir.mkdir(parents=True, exist_ok=True)
-        deploy = Deployment(data_dir, args.ack_wait)
+        deploy = Deployment(data_dir, args.ack_wait, cluster=args.cluster,
+                            node_down_s=args.node_down)  # fmt: skip
         print(f"brigade chaos: starting a deployment in {data_dir} ...", file=sys.stderr)
         try:
             deploy.start()

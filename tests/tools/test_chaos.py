@@ -5,10 +5,14 @@ failed. Plus the table and the stall arithmetic."""
 
 from __future__ import annotations
 
+import argparse
+
 import anyio
 import pytest
 
 from schemas import subjects
+from stages.runtime.bus import Bus
+from stages.runtime.natscluster import NatsCluster
 from tools import chaos
 
 
@@ -51,3 +55,42 @@ def test_a_small_chaos_run_loses_nothing_and_bills_nothing_wrongly(tmp_path) -> 
         assert row.sent == 2 and row.completed == 2, row  # a killed stage comes back: resumed
         assert (row.lost, row.billed_twice, row.told_failed_but_billed) == (0, 0, 0), row
         assert row.duplicated_text == 0, row
+
+
+def test_node_faults_need_the_cluster(capsys) -> None:
+    args = argparse.Namespace(faults="nats-node:meta-leader", cluster=False, requests=2,
+                              max_tokens=4, node_down=1.0, ack_wait=5.0, data_dir=None,
+                              json=None)  # fmt: skip
+    assert chaos.run(args) == 2
+    assert "need --cluster" in capsys.readouterr().err
+    assert set(chaos.NODE_FAULTS) < set(chaos.CLUSTER_FAULTS)
+
+
+@pytest.mark.nats
+def test_each_node_fault_picks_the_node_that_leads_what_it_names(tmp_path) -> None:
+    """On a three-node cluster with Brigade's R3 streams: the follower leads nothing, the others
+    lead what their name says, as JetStream's own stream info reports it."""
+    deploy = chaos.Deployment(tmp_path, ack_wait_s=3.0, cluster=True)
+    deploy.cluster = NatsCluster(tmp_path / "nats-cluster").start()
+
+    async def leaders() -> dict[str, str]:
+        bus = await Bus.connect(deploy.config())
+        try:
+            assert bus.config.replicas == 3
+            await bus.ensure_streams()
+            return {s: (await bus.js.stream_info(s)).cluster.leader
+                    for s in (subjects.EVENTS_STREAM, subjects.SUBMIT_STREAM)}  # fmt: skip
+        finally:
+            await bus.close()
+
+    try:
+        led = anyio.run(leaders)
+        meta = deploy.cluster.meta_leader()
+        node, what = deploy.node_to_kill("nats-node:follower")
+        assert what == "nothing" and node not in {meta, *led.values()}
+        assert deploy.node_to_kill("nats-node:meta-leader")[0] == meta
+        node, what = deploy.node_to_kill("nats-node:events-leader")
+        assert node == led[subjects.EVENTS_STREAM] and subjects.EVENTS_STREAM in what
+        assert deploy.node_to_kill("nats-node:in-leader")[0] == led[subjects.SUBMIT_STREAM]
+    finally:
+        deploy.stop()
