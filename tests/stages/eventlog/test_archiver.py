@@ -15,6 +15,7 @@ from stages.eventlog.archiver import Archiver, ArchiverConfig
 from stages.eventlog.parquet import ParquetLog
 from stages.runtime import worker as runtime
 from stages.runtime.bus import Bus, BusConfig
+from stages.runtime.natscluster import NatsCluster
 
 pytestmark = pytest.mark.anyio
 
@@ -194,3 +195,36 @@ async def test_as_a_stage_it_writes_what_it_holds_when_stopped(
     assert [r[0] for r in archived(root)] == list(range(1, last + 1))
     assert ParquetLog(root).read_checkpoint() == last
     assert (info.ack_floor.stream_seq, info.num_ack_pending) == (last, 0)
+
+
+async def test_it_waits_out_a_cluster_without_quorum_at_start_then_archives(tmp_path: Path):
+    """Two of three nodes down: JetStream answers 'temporarily unavailable' (or nothing). The
+    archiver's start waits with a bounded backoff instead of exiting, and once the nodes are
+    back it archives what was published before."""
+    cluster = NatsCluster(tmp_path / "nats").start()
+    config = BusConfig(servers=cluster.urls, replicas=3)
+    try:
+        bus = await Bus.connect(config)
+        await bus.ensure_streams()
+        last = await publish(bus, "r1", 3)
+        await bus.close()
+        leader = cluster.meta_leader()
+        down = [n.name for n in cluster.nodes if n.name != leader][:1] + [leader]
+        for name in down:
+            cluster.kill(name)
+        bus = await Bus.connect(config)
+        archiver = Archiver(bus, ArchiverConfig(archive_dir=tmp_path / "archive"))
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(archiver.run, stop)
+            await anyio.sleep(3.0)  # several tries fail meanwhile: none of them ends the task
+            for name in down:
+                cluster.launch(name)
+            with anyio.fail_after(30):
+                while archiver.stats.last_stream_seq < last:
+                    await anyio.sleep(0.1)
+            stop.set()
+        await bus.close()
+        assert [row[0] for row in archived(tmp_path / "archive")] == list(range(1, last + 1))
+    finally:
+        cluster.stop()
