@@ -72,6 +72,9 @@ ChoiceList = Annotated[
     Meta(min_length=1, max_length=MAX_CHOICES),
 ]
 ConstraintText = Annotated[str, Meta(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
+MAX_DEADLINE_S = 86_400.0  # a day: the longest a request may wait for its first token
+DeadlineS = Annotated[float, Meta(gt=0.0, le=MAX_DEADLINE_S)]
+EdgeWorker = Annotated[str, Meta(pattern=REQUEST_ID_PATTERN)]  # one subject token
 
 
 class Sampling(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -173,6 +176,13 @@ class Submit(Struct, frozen=True, kw_only=True, omit_defaults=True):
     guided_regex: ConstraintText | None = None
     guided_choice: ChoiceList | None = None
     guided_grammar: ConstraintText | None = None
+    # How long the request may wait for its first token (an engine to run it) before it is
+    # cancelled: the edge's X-Brigade-Deadline-S or `deadline_s`, else the tenant's, else
+    # BRIGADE_EDGE_DEADLINE_S. The sweeper leaves a run without tokens alone until then.
+    deadline_s: DeadlineS | None = None
+    # The edge worker following the run for its client (set by the edge, never by a client):
+    # the sweeper cancels the run once that worker is gone, and its client's connection with it.
+    edge_worker: EdgeWorker | None = None
 
 
 class SubmitReply(Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -199,6 +209,8 @@ class Request(Struct, frozen=True, kw_only=True, omit_defaults=True):
     priority: Priority | None = None
     idempotency_key: str | None = None
     sampling: Sampling = Sampling()
+    deadline_s: float | None = None  # as on the submit
+    edge_worker: str | None = None  # as on the submit
 
 
 class Usage(Struct, frozen=True, kw_only=True):

@@ -6,8 +6,14 @@ becomes a subject token.
 
 from __future__ import annotations
 
+import hashlib
+import re
+
 SUBMIT = "llm.in"  # JSON `Submit` payloads; the gateway answers on the reply subject
-EVENT_ROOT = "llm.ev"  # llm.ev.<request_id>.<event>
+EVENT_ROOT = "llm.ev"  # llm.ev.<request_id>.<event>[.<model>]
+# Events whose subject carries one more token, the model they are for: JetStream routes them to
+# that model's engine workers (each model's engines share a durable filtered on its token).
+ROUTED_EVENTS = ("tokenized",)  # llm.ev.<request_id>.tokenized.<model token>
 # JetStream keeps no reply subject on a stored message (a core request to llm.in gets the stream's
 # PubAck), so a submitter that wants the gateway's answer names its inbox in this header.
 REPLY_HEADER = "Brigade-Reply-To"
@@ -32,8 +38,23 @@ STAGES_BUCKET = "brigade_stages"  # <stage>.<worker> -> its latest heartbeat (li
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}(?!\n)$"
 
 
-def event_subject(request_id: str, event: str) -> str:
-    return f"{EVENT_ROOT}.{request_id}.{event}"
+_TOKEN_SAFE = re.compile(r"^[A-Za-z0-9_-]{1,48}(?!\n)$")
+
+
+def model_token(model: str) -> str:
+    """A served model's id as one subject token: the id itself when it is letters, digits, '_'
+    and '-' (at most 48), else a readable slug of it plus a digest of the whole id, so a path
+    or a name with dots (`Llama-3.2-1B`) routes too and two ids never share a token."""
+    if _TOKEN_SAFE.match(model):
+        return model
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "_", model)[-32:].strip("_") or "model"
+    return f"{slug}-{hashlib.sha256(model.encode()).hexdigest()[:12]}"
+
+
+def event_subject(request_id: str, event: str, route: str | None = None) -> str:
+    """Where an event is stored; `route` (a model token) only for ROUTED_EVENTS."""
+    base = f"{EVENT_ROOT}.{request_id}.{event}"
+    return base if route is None else f"{base}.{route}"
 
 
 def request_events(request_id: str) -> str:
@@ -41,9 +62,16 @@ def request_events(request_id: str) -> str:
     return f"{EVENT_ROOT}.{request_id}.>"
 
 
-def all_events(event: str) -> str:
-    """One kind of event across requests: a stage's consumer filter."""
-    return f"{EVENT_ROOT}.*.{event}"
+def all_events(event: str, route: str | None = None) -> str:
+    """One kind of event across requests: a stage's consumer filter (with `route`, only those
+    routed to one model)."""
+    base = f"{EVENT_ROOT}.*.{event}"
+    return base if route is None else f"{base}.{route}"
+
+
+def routed_events(event: str) -> str:
+    """One kind of routed event for every model (a publisher's permission)."""
+    return f"{EVENT_ROOT}.*.{event}.>"
 
 
 ALL_EVENTS = f"{EVENT_ROOT}.>"
@@ -67,5 +95,6 @@ def max_deliveries_advisory(stream: str, durable: str) -> str:
     return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
 
 
-def durable_name(stage: str) -> str:
-    return f"brigade-{stage}"
+def durable_name(stage: str, route: str | None = None) -> str:
+    """A stage's shared durable; one per model (`route`) for the engine."""
+    return f"brigade-{stage}" if route is None else f"brigade-{stage}-{route}"

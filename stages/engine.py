@@ -160,11 +160,10 @@ class EngineStage(InputService):
             held.forget()  # the run's own delivery stays the one settled at its end
             return
         run = Run(held=held, event=event, window=context_window(event.sampling.stop))
-        if rid in self.ctx.cancels:  # cancelled before it reached the engine
-            run.cancel = CancelRequested(request_id=rid, tenant=event.tenant)
-            await self._finish(
-                run, "abort", num_prompt_tokens=len(event.prompt_token_ids), seed=None
-            )
+        if rid in self.ctx.cancels:  # cancelled before it reached the engine: it never ran,
+            reason = self.ctx.cancels.reason(rid) or "client"  # so there is nothing to bill
+            run.cancel = CancelRequested(request_id=rid, tenant=event.tenant, reason=reason)
+            await self._finish(run, "abort", num_prompt_tokens=0, seed=None)
             return
         run.params = sampling_params(event.sampling, rid)
         if held.num_delivered > 1 and not await self._recover(run):

@@ -110,6 +110,8 @@ def normalize(submit: Submit, *, limit_chars: int) -> Request:
         priority=submit.priority,
         idempotency_key=submit.idempotency_key,
         sampling=sampling,
+        deadline_s=submit.deadline_s,
+        edge_worker=submit.edge_worker,
     )
 
 

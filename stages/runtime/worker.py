@@ -207,19 +207,22 @@ class StageWorker:
                 await held.complete([failed])
             return False, None
         request_id = getattr(event, "request_id", None)
+        # Where runs wait while no worker may run (the submit queue; a service's input: runs
+        # wait there for an engine), a cancel may predate this worker: read it from the log.
+        waits = self.spec.stream == subjects.SUBMIT_STREAM or isinstance(self.service, InputService)
+        if request_id is not None and waits and request_id not in self.ctx.cancels:
+            await self._cancel_stored(request_id, held.msg)
         if self.spec.skip_cancelled and request_id is not None:
-            if request_id not in self.ctx.cancels and self.spec.stream == subjects.SUBMIT_STREAM:
-                await self._cancel_stored(request_id, held.msg)
             if request_id in self.ctx.cancels:
                 await held.complete([self._cancelled(event, request_id)])
                 return False, None
         return True, event
 
     async def _cancel_stored(self, request_id: str, submitted: Msg) -> None:
-        """A submit's cancel may predate this worker (its client gave up on it, told it timed
-        out or failed, while no gateway ran): read it from the log, so a run its client gave up
-        on never starts. Only a cancel stored after the submit counts: one from before it is
-        for the stages that heard it to honour (they end the run there)."""
+        """An input's cancel may predate this worker (its client gave up on it, told it timed
+        out or failed, while no gateway or no engine ran): read it from the log, so a run its
+        client gave up on never starts. Only a cancel stored after the input counts: one from
+        before it is for the stages that heard it to honour (they end the run there)."""
         subject = subjects.event_subject(request_id, "cancel")
         try:
             msg = await self.bus.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)

@@ -58,8 +58,10 @@ _accepted = msgspec.json.Decoder(RequestAccepted)
 
 def request_hash(request: Request) -> str:
     """What makes two requests 'the same': the normalized request without the key itself, so
-    the edge and the auth stage (which both claim) hash alike."""
-    bare = msgspec.structs.replace(request, idempotency_key=None)
+    the edge and the auth stage (which both claim) hash alike, and without how long it may wait
+    or which edge follows it (a retry through another edge, or with another deadline, is the
+    same request)."""
+    bare = msgspec.structs.replace(request, idempotency_key=None, deadline_s=None, edge_worker=None)
     return "sha256:" + hashlib.sha256(_encoder.encode(bare)).hexdigest()
 
 
