@@ -289,10 +289,13 @@ class ContextAssembled(Event, tag="assembled"):
 
 
 class PromptTokenized(Event, tag="tokenized"):
+    """Routed by `model`: stored on llm.ev.<request_id>.tokenized.<model token>, which only that
+    model's engine workers consume (schemas/subjects.py ROUTED_EVENTS)."""
+
     prompt_token_ids: list[int]
     sampling: Sampling = Sampling()
     priority: Priority = "interactive"
-    model: str | None = None
+    model: str | None = None  # the served model's id (the gateway resolved it)
 
 
 class TokensGenerated(Event, tag="tokens"):
@@ -317,6 +320,7 @@ class TokensGenerated(Event, tag="tokens"):
     kv_usage: float | None = None  # fraction of KV cache blocks in use, 0.0 to 1.0
     # the first tokens event of an engine step: the tokens that step computed (prefill and decode)
     num_step_tokens: int | None = None
+    model: str | None = None  # the served model's id (its tokenizer decodes these ids)
 
 
 class RunFinished(Event, tag="finished"):
@@ -336,6 +340,7 @@ class RunFinished(Event, tag="finished"):
     num_waiting: int | None = None  # engine gauges when this run finished, as on `tokens`
     num_running: int | None = None
     kv_usage: float | None = None
+    model: str | None = None  # the served model's id, as on `tokens`
 
 
 class TextGenerated(Event, tag="text"):
@@ -379,6 +384,7 @@ class RequestFailed(Event, tag="failed"):
         "overloaded",
         "conflict",
         "context_length",
+        "model_not_found",  # a model no engine of this deployment serves (BRIGADE_MODEL)
         "internal",
     ]
     message: str

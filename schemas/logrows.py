@@ -55,8 +55,8 @@ def row_from_message(stream_seq: int, stored_ns: int, subject: str, data: bytes)
     """A row for one stored message. A payload that is not an event (not JSON, nested too deep,
     wrong types) is still archived (the log keeps everything): its type and request id then
     come from the subject."""
-    parts = subject.split(".")
-    subject_type = parts[-1] if len(parts) >= 4 else None
+    parts = subject.split(".")  # llm.ev.<request_id>.<event>[.<model token>]
+    subject_type = parts[3] if len(parts) >= 4 else None
     subject_request = parts[2] if len(parts) >= 4 else None
     text_data = data.decode("utf-8", errors="replace")
     try:  # bounded: a payload nested too deep is kept as data, not a RecursionError

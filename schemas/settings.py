@@ -265,8 +265,18 @@ MAX_SUBMIT_CHARS = declare(Setting[int](
 ))  # fmt: skip
 MODEL = declare(Setting[str](
     name="BRIGADE_MODEL", kind="str", default="smollm2-135m",
-    help="the served model: a registered name, a .gguf file or a Hugging Face directory",
-    readers=("context", "tokenize", "engine", "detokenize", "edge", "bench"),
+    help="the served models, comma-separated, the default first: each a registered name, a "
+    ".gguf file or a Hugging Face directory, as `id=model` to name it (schemas/models.py)",
+    readers=("gateway", "context", "tokenize", "engine", "detokenize", "edge", "ingest", "up",
+             "bench"),
+    pattern=re.compile(r"^\s*[^,=]+(=[^,=]+)?(\s*,\s*[^,=]+(=[^,=]+)?)*\s*,?\s*$"),
+    allowed="comma-separated `model` or `id=model`",
+))  # fmt: skip
+ENGINE_MODEL = declare(Setting[str | None](
+    name="BRIGADE_ENGINE_MODEL", kind="str", default=None,
+    default_text="the first of BRIGADE_MODEL",
+    help="the one model this engine worker serves and announces: an id of BRIGADE_MODEL",
+    readers=("engine",),
 ))  # fmt: skip
 SUMMARY_TIMEOUT_S = declare(Setting[float](
     name="BRIGADE_SUMMARY_TIMEOUT_S", kind="float", default=60.0, gt=0,

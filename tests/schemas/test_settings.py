@@ -105,6 +105,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_SHUTDOWN_TIMEOUT_S": 10.0,
         "BRIGADE_MAX_SUBMIT_CHARS": 2_000_000,
         "BRIGADE_MODEL": "smollm2-135m",
+        "BRIGADE_ENGINE_MODEL": None,
         "BRIGADE_SUMMARY_TIMEOUT_S": 60.0,
         "BRIGADE_SUMMARY_MAX_TOKENS": 128,
         "BRIGADE_RETRIEVAL_DB": None,

@@ -33,3 +33,21 @@ def test_valid_request_ids(request_id: str):
 )
 def test_request_ids_that_would_break_a_subject_are_refused(request_id: str):
     assert not re.match(subjects.REQUEST_ID_PATTERN, request_id)
+
+
+def test_a_routed_event_carries_its_models_token():
+    assert subjects.event_subject("r-1", "tokenized", "tiny") == "llm.ev.r-1.tokenized.tiny"
+    assert subjects.all_events("tokenized", "tiny") == "llm.ev.*.tokenized.tiny"
+    assert subjects.routed_events("tokenized") == "llm.ev.*.tokenized.>"
+    assert subjects.durable_name("engine", "tiny") == "brigade-engine-tiny"
+    assert subjects.request_events("r-1") == "llm.ev.r-1.>"  # a run's events, routed ones too
+
+
+@pytest.mark.parametrize(
+    "model", ["Llama-3.2-1B", "/models/SmolLM2.Q4_1.gguf", "org/name", "a b", "x" * 200, "*", ">"]
+)
+def test_any_model_id_becomes_one_safe_token_of_its_own(model: str):
+    token = subjects.model_token(model)
+    assert re.match(r"^[A-Za-z0-9_-]{1,64}$", token), token
+    assert token != subjects.model_token(model + "2")  # the digest keeps ids apart
+    assert subjects.model_token("smollm2-135m") == "smollm2-135m"  # a safe id is its own token
