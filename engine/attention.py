@@ -2,8 +2,8 @@
 
 `prepare_attention` turns the metadata into a per-step plan once; every layer then calls
 `paged_attend`: the Triton kernel on CUDA; on the CPU the compiled kernel
-(kernels/cpu_attention.py) for every bf16 token, torch's SDPA over gathered blocks
-(kernels/cpu_sdpa_attention.py) for the rest. Which path runs is engine policy, so it is here.
+(kernels/cpu_attention.py) for every bf16 token and every token of the fp32 batch-invariant mode,
+torch's SDPA over gathered blocks (kernels/cpu_sdpa_attention.py) for the rest. Which path runs is engine policy, so it is here.
 """
 
 from __future__ import annotations
@@ -58,20 +58,25 @@ class AttentionPlan:
 
 
 def prepare_attention(
-    attn: AttentionMetadata, device: torch.device, dtype: torch.dtype = torch.float32
+    attn: AttentionMetadata,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    per_token: bool = False,
 ) -> AttentionPlan:
     """dtype: the model's; in bf16 on the CPU every token goes to the compiled kernel when it
     builds, prefill tokens included, each as one query over the cached keys up to its own
     position: a token's attention is then computed the same way whether it is decoded,
     prefilled whole, in chunks or again after a preemption, whatever shares the step; and
     reading the blocks in place it beats gathering them for SDPA (prefill 1.1-1.3x at 128-2048
-    tokens). fp32 keeps torch's SDPA, the kernel transformers runs, for exact parity with it."""
+    tokens). fp32 keeps torch's SDPA, the kernel transformers runs, for exact parity with it,
+    unless `per_token` (the batch-invariant mode): SDPA's sums change with how a step batches
+    and pads its sequences, the compiled kernel's do not."""
     block_tables = attn.block_tables.to(device, non_blocking=True)
     slots = attn.slot_mapping.to(device, torch.int64, non_blocking=True)
     if device.type == "cuda":
         seq_idx, ctx_len = token_layout(attn.query_lens_cpu, attn.seq_lens_cpu, device)
         return AttentionPlan(block_tables, slots, token_seq_idx=seq_idx, token_ctx_len=ctx_len)
-    if dtype == torch.bfloat16 and cpu_attention.available():
+    if (dtype == torch.bfloat16 or per_token) and cpu_attention.available():
         seq_idx, ctx_len = token_layout(attn.query_lens_cpu, attn.seq_lens_cpu, device)
         return AttentionPlan(
             block_tables.to(torch.int32).contiguous(),

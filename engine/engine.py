@@ -45,7 +45,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None -> the model's context length
     # weights: "auto" (int4 weight-only for bf16 on the CPU, else dense), None, "int8", "int4"
     quantization: str | None = "auto"
-    # bit-identical logits for a token whatever shares its step (bf16 on the CPU; see loader)
+    # bit-identical logits for a token whatever shares its step (fp32 on a GGUF's blocks or bf16,
+    # on the CPU; see loader.check_batch_invariant)
     batch_invariant: bool = False
     # fp32 GGUF on the CPU: steps of <= 8 rows read the file's Q4_1 / Q8_0 blocks (the same fp32
     # weights, a sixth of the bytes; engine/gguf_linear.py); False: dense fp32 at every step

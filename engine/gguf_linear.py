@@ -6,7 +6,9 @@ steps of more rows (batched decode, prefill chunks) the compiled block GEMM
 instead of 4, fp32 sums, so the logits are the dense fp32 path's up to summation order. The GEMM
 beat the dense fp32 GEMM at every row count measured (9 to 512, docs/benchmarks.md); the dense
 weight serves only where the GEMM could not be built. Blocks are in GGUF's own layout, one row
-of blocks per output feature.
+of blocks per output feature. In the batch-invariant mode every step runs the GEMV, its rows in
+groups of 8 (it sums a row the same way whatever shares the step), so a row's result never depends
+on the step's row count.
 """
 
 from __future__ import annotations
@@ -50,9 +52,16 @@ def concat_blocks(parts: list[GGUFBlocks | None]) -> GGUFBlocks | None:
 
 class GGUFLinear(nn.Module):
     """The block GEMV for steps of at most DECODE_MAX_ROWS fp32 rows, the block GEMM above
-    (`gemm`: it was built), `dense` otherwise."""
+    (`gemm`: it was built), `dense` otherwise; `invariant`: the GEMV at every row count."""
 
-    def __init__(self, blocks: GGUFBlocks, dense: nn.Module, *, gemm: bool | None = None) -> None:
+    def __init__(
+        self,
+        blocks: GGUFBlocks,
+        dense: nn.Module,
+        *,
+        gemm: bool | None = None,
+        invariant: bool = False,
+    ) -> None:
         super().__init__()
         if blocks.data.shape[0] != dense.out_features:
             raise ValueError(
@@ -63,18 +72,21 @@ class GGUFLinear(nn.Module):
         self.dense = dense
         self.out_features = dense.out_features
         self.gemm = cpu_quant_gemm.available() if gemm is None else gemm
+        self.invariant = invariant
 
     def forward(self, x: Tensor) -> Tensor:  # [n, in] -> [n, out]
         rows = x.shape[0]
-        if rows == 0 or x.dtype != torch.float32 or (rows > DECODE_MAX_ROWS and not self.gemm):
+        many = rows > DECODE_MAX_ROWS and not (self.gemm or self.invariant)
+        if rows == 0 or x.dtype != torch.float32 or many:
             return self.dense.forward(x)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if rows <= DECODE_MAX_ROWS:
+        if rows <= DECODE_MAX_ROWS or self.invariant:
             return cpu_quant_gemv.quant_gemv(x, self.blocks, self.kind)
         return cpu_quant_gemm.quant_gemm(x, self.blocks, self.kind)
 
 
-def with_blocks(dense: nn.Module, blocks: GGUFBlocks | None) -> nn.Module:
-    """`dense` itself without blocks, else a GGUFLinear over both."""
-    return dense if blocks is None else GGUFLinear(blocks, dense)
+def with_blocks(dense: nn.Module, blocks: GGUFBlocks | None, invariant: bool = False) -> nn.Module:
+    """`dense` itself without blocks, else a GGUFLinear over both (`invariant`: the GEMV at
+    every row count)."""
+    return dense if blocks is None else GGUFLinear(blocks, dense, invariant=invariant)

@@ -74,13 +74,31 @@ def resolve_quantization(
     return quantization
 
 
-def check_batch_invariant(dtype: torch.dtype, device: torch.device) -> None:
+def check_batch_invariant(
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: Quantization | None = None,
+    quantized_gemv: bool = True,
+) -> None:
     """The batch-invariant mode needs attention in the compiled CPU kernel (one query token at a
-    time, bf16 only); fp32 (SDPA, GEMV vs GEMM) and CUDA (cuBLAS) vary with the row count."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    time, bf16 or fp32). In fp32 every linear runs the block GEMV (a GGUF file's Q4_1 / Q8_0
+    blocks, rows in groups of 8): the dense fp32 GEMM, the block GEMM beside the GEMV and SDPA
+    each sum differently with the row count. CUDA (cuBLAS) varies with it too."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(
             f"batch_invariant=True with dtype={str(dtype).removeprefix('torch.')!r} on "
-            f"{device.type!r}; allowed: dtype 'bfloat16' on 'cpu'"
+            f"{device.type!r}; allowed: dtype 'float32' or 'bfloat16' on 'cpu'"
+        )
+    if dtype == torch.float32 and quant is not None:
+        raise ValueError(
+            f"batch_invariant=True in float32 with quantization={quant!r}; allowed: None or "
+            "'auto' (the GGUF file's own blocks)"
+        )
+    if dtype == torch.float32 and not (quantized_gemv and cpu_quant_gemv.available()):
+        raise RuntimeError(
+            "batch_invariant=True in float32 runs every linear on the block GEMV, which is off "
+            "(quantized_gemv=False, BRIGADE_QUANTIZED_GEMV=0) or could not be built here: it "
+            "needs a C compiler (cc, gcc or $CC); or use dtype 'bfloat16'"
         )
     if not cpu_attention.available():
         raise RuntimeError(
@@ -104,7 +122,8 @@ def load_model(
     quantization: None (dense weights in `dtype`); "int8" / "int4" (weight-only on every step,
     CPU); "int8-decode" / "int4-decode" (weight-only for steps of at most 8 rows, dense above);
     "auto" (see resolve_quantization). batch_invariant: a token's logits are bit-identical
-    whatever shares its step and however its prompt was chunked (bf16 on the CPU only).
+    whatever shares its step and however its prompt was chunked (on the CPU: bf16, or fp32 on a
+    GGUF file's own blocks; see check_batch_invariant).
     quantized_gemv: an fp32 GGUF model on the CPU with dense weights keeps its Q4_1 / Q8_0
     blocks and runs steps of at most 8 rows on the block GEMV, more rows on the block GEMM (the
     same weights, fewer bytes); without a C compiler, or for safetensors, the dense fp32 path.
@@ -116,7 +135,7 @@ def load_model(
     device = torch.device(device)
     quant = resolve_quantization(quantization, dtype, device, batch_invariant)
     if batch_invariant:
-        check_batch_invariant(dtype, device)
+        check_batch_invariant(dtype, device, quant, quantized_gemv)
     path = resolve_model(model)
     blocks = None
     if model_format(path) == "hf":

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from engine.attention import AttentionMetadata, AttentionPlan, paged_attend, prepare_attention
 from engine.config import ModelConfig
-from engine.gguf_linear import GGUFBlocks, concat_blocks, with_blocks
+from engine.gguf_linear import GGUFBlocks, GGUFLinear, concat_blocks, with_blocks
 from engine.quant import Quantization, make_linear
 
 
@@ -53,12 +53,14 @@ class DecoderLayer(nn.Module):
         b = blocks or {}
         qkv_blocks = concat_blocks([b.get(f"{attn}{n}_proj.weight") for n in "qkv"])
         gate_up_blocks = concat_blocks([b.get(f"{mlp}{n}_proj.weight") for n in ("gate", "up")])
-        self.qkv_proj = with_blocks(make_linear(qkv, **lin), qkv_blocks)
+        inv = batch_invariant
+        self.qkv_proj = with_blocks(make_linear(qkv, **lin), qkv_blocks, inv)
         o_blocks, down_blocks = b.get(f"{attn}o_proj.weight"), b.get(f"{mlp}down_proj.weight")
-        self.o_proj = with_blocks(make_linear(weights[f"{attn}o_proj.weight"], **lin), o_blocks)
-        self.gate_up_proj = with_blocks(make_linear(gate_up, **lin), gate_up_blocks)
+        o_proj = make_linear(weights[f"{attn}o_proj.weight"], **lin)
+        self.o_proj = with_blocks(o_proj, o_blocks, inv)
+        self.gate_up_proj = with_blocks(make_linear(gate_up, **lin), gate_up_blocks, inv)
         down = make_linear(weights[f"{mlp}down_proj.weight"], **lin)
-        self.down_proj = with_blocks(down, down_blocks)
+        self.down_proj = with_blocks(down, down_blocks, inv)
         self.input_norm = nn.Parameter(weights["input_layernorm.weight"].to(dtype), False)
         self.post_attn_norm = nn.Parameter(
             weights["post_attention_layernorm.weight"].to(dtype), False
@@ -97,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         quantization: Quantization | None = None,
-        batch_invariant: bool = False,  # linears that ignore the row count (engine/loader.py)
+        batch_invariant: bool = False,  # row-count-free linears and attention (engine/loader.py)
         blocks: dict[str, GGUFBlocks] | None = None,  # GGUF blocks by HF name (gguf_linear.py)
     ) -> None:
         super().__init__()
@@ -133,7 +135,20 @@ class LlamaForCausalLM(nn.Module):
                 head, dtype=dtype, quantization=head_quant, batch_invariant=batch_invariant
             ),
             (blocks or {}).get(head_name),
+            batch_invariant,
         )
+        if batch_invariant and dtype == torch.float32:
+            dense = [
+                name
+                for name, m in self.named_modules()
+                if name.endswith(("_proj", "lm_head")) and not isinstance(m, GGUFLinear)
+            ]
+            if dense:
+                raise ValueError(
+                    f"batch_invariant=True in float32 runs every linear on the GGUF file's Q4_1 / "
+                    f"Q8_0 blocks; {len(dense)} have none (e.g. {dense[:3]}): use dtype 'bfloat16' "
+                    "for this model"
+                )
         cos, sin = rope_tables(config, device)
         half = config.head_dim // 2
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
@@ -151,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         """The last layer's residual stream [T, hidden]; compute_logits applies the final norm."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.config.num_layers} layers")
-        plan = prepare_attention(attn, self.device, self.dtype)
+        plan = prepare_attention(attn, self.device, self.dtype, per_token=self.batch_invariant)
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)

@@ -62,8 +62,8 @@ class KernelOptions(cbuild.KernelOptions):
 
 
 def _bind(lib: ctypes.CDLL) -> None:
-    fn = lib.paged_attention_bf16
-    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    for fn in (lib.paged_attention_bf16, lib.paged_attention_f32):
+        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
 
 
 _KERNEL = cbuild.CKernel(
@@ -93,15 +93,15 @@ def available() -> bool:
 
 
 def paged_attention_cpu(
-    q: Tensor,  # [T, H, D] bf16, heads and dims contiguous (rows may be strided)
-    k_cache: Tensor,  # [num_blocks, block_size, KVH, D] bf16, contiguous
+    q: Tensor,  # [T, H, D] bf16 or fp32, heads and dims contiguous (rows may be strided)
+    k_cache: Tensor,  # [num_blocks, block_size, KVH, D] q's dtype, contiguous
     v_cache: Tensor,
     block_tables: Tensor,  # [S, W] int32, contiguous
     seq_idx: Tensor,  # [n] int32: each query's row of block_tables
     rows: Tensor,  # [n] int32: each query's row of q (and of out)
     seq_lens: Tensor,  # [n] int32: keys each query attends, from position 0 (>= 1)
     scale: float,
-    out: Tensor,  # [T, H, D] bf16, contiguous; only the rows listed in `rows` are written
+    out: Tensor,  # [T, H, D] q's dtype, contiguous; only the rows listed in `rows` are written
     lib: ctypes.CDLL | None = None,  # default: load()
 ) -> None:
     lib = lib or load()
@@ -109,9 +109,14 @@ def paged_attention_cpu(
         raise RuntimeError("the CPU paged-attention kernel is not available (see the log)")
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
+    if q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be bfloat16 or float32, got {q.dtype}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a bfloat16 CPU tensor, got {t.dtype} on {t.device}")
+        if t.dtype != q.dtype or t.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be a {str(q.dtype).removeprefix('torch.')} CPU tensor (q's "
+                f"dtype), got {t.dtype} on {t.device}"
+            )
     if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous():
         raise ValueError("q needs contiguous heads and dims, out must be contiguous")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.is_contiguous()):
@@ -119,7 +124,8 @@ def paged_attention_cpu(
     index = (seq_idx, rows, seq_lens)
     if any(t.dtype != torch.int32 or not t.is_contiguous() for t in (block_tables, *index)):
         raise ValueError("block_tables, seq_idx, rows and seq_lens must be contiguous int32")
-    status = lib.paged_attention_bf16(
+    fn = lib.paged_attention_bf16 if q.dtype == torch.bfloat16 else lib.paged_attention_f32
+    status = fn(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),

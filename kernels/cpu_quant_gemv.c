@@ -16,10 +16,13 @@
  *
  * Layouts (row-major, strides in elements):
  *   w  [out, in / 32 * block_bytes] uint8   one row of blocks per output feature
- *   x  [rows, in] fp32, row stride x_stride; rows in 1..MAX_ROWS
+ *   x  [rows, in] fp32, row stride x_stride; rows >= 1
  *   y  [rows, out] fp32, row stride y_stride
  * Output features are shared by the OpenMP threads; each y value is one thread's sum, so a row's
- * result does not depend on the thread count or on the other rows.
+ * result does not depend on the thread count or on the other rows. Rows go in groups of
+ * MAX_ROWS through each tile of output features (its blocks stay in cache across the groups),
+ * and a row's sums are computed the same way whatever the size of its group: the batch-invariant
+ * mode runs every step, prefill included, through this kernel (engine/gguf_linear.py).
  */
 #include "cpu_quant_blocks.h"
 
@@ -136,7 +139,7 @@ static inline __attribute__((always_inline)) void dot_row(
 
 #define ROWS_CASE(R)                                                          \
     case R:                                                                   \
-        dot_row(R, Q8, w + (o0 + j) * row_bytes, nb, x, x_stride, sums);      \
+        dot_row(R, Q8, w + (o0 + j) * row_bytes, nb, xg, x_stride, sums);     \
         break;
 
 /* Output features go in tiles of TILE, each tile's sums stored row by row as one run: storing
@@ -156,30 +159,35 @@ static inline __attribute__((always_inline)) void gemv(
         const int64_t o0 = t * TILE;
         const int n = out_features - o0 < TILE ? (int)(out_features - o0) : TILE;
         float tile[MAX_ROWS][TILE];
-        for (int j = 0; j < n; ++j) {
-            float sums[MAX_ROWS];
-            switch (rows) {
-                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
-                ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+        for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
+            const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;
+            const float *xg = x + (int64_t)g0 * x_stride;
+            for (int j = 0; j < n; ++j) {
+                float sums[MAX_ROWS];
+                switch (group) {
+                    ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+                    ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+                }
+                for (int r = 0; r < group; ++r) tile[r][j] = sums[r];
             }
-            for (int r = 0; r < rows; ++r) tile[r][j] = sums[r];
+            for (int r = 0; r < group; ++r)
+                memcpy(y + (int64_t)(g0 + r) * y_stride + o0, tile[r], n * sizeof(float));
         }
-        for (int r = 0; r < rows; ++r) memcpy(y + r * y_stride + o0, tile[r], n * sizeof(float));
     }
 }
 
-/* 0 on success, -1 for a shape the kernel does not take (in not a multiple of 32, rows outside
- * 1..MAX_ROWS); the wrapper checks these first. */
+/* 0 on success, -1 for a shape the kernel does not take (in not a multiple of 32, no rows); the
+ * wrapper checks these first. */
 int gemv_q4_1(const uint8_t *w, int64_t out_features, int64_t in_features, const float *x,
               int64_t x_stride, int rows, float *y, int64_t y_stride, int num_threads) {
-    if (in_features % QK || rows < 1 || rows > MAX_ROWS) return -1;
+    if (in_features % QK || rows < 1) return -1;
     gemv(0, w, out_features, in_features, x, x_stride, rows, y, y_stride, num_threads);
     return 0;
 }
 
 int gemv_q8_0(const uint8_t *w, int64_t out_features, int64_t in_features, const float *x,
               int64_t x_stride, int rows, float *y, int64_t y_stride, int num_threads) {
-    if (in_features % QK || rows < 1 || rows > MAX_ROWS) return -1;
+    if (in_features % QK || rows < 1) return -1;
     gemv(1, w, out_features, in_features, x, x_stride, rows, y, y_stride, num_threads);
     return 0;
 }

@@ -1,7 +1,8 @@
 """fp32 GEMVs over GGUF Q4_1 / Q8_0 blocks (cpu_quant_gemv.c), built once per machine.
 
-`quant_gemv(x, blocks, kind)` is x [rows <= 8, in] fp32 times the weight the blocks hold,
-transposed: each weight is rebuilt in registers to exactly the value `gguf` dequantizes it to,
+`quant_gemv(x, blocks, kind)` is x [rows, in] fp32 times the weight the blocks hold,
+transposed, rows in groups of MAX_ROWS (a decode step's few rows, or every row of a step in the
+batch-invariant mode): each weight is rebuilt in registers to exactly the value `gguf` dequantizes it to,
 activations and sums stay fp32, so the result is the fp32 matmul's up to summation order while
 reading 0.625 (Q4_1) / 1.0625 (Q8_0) bytes a weight instead of 4. The build (cache, compiler,
 flags) is kernels/cbuild.py's; the instruction-set level (ISA_LEVELS) is chosen from the CPU's
@@ -27,7 +28,7 @@ SOURCE = Path(__file__).with_name("cpu_quant_gemv.c")
 BlockKind = Literal["q4_1", "q8_0"]
 BLOCK_SIZE = 32  # weights per block
 BLOCK_BYTES: dict[str, int] = {"q4_1": 20, "q8_0": 34}  # fp16 d (+ fp16 m), then the codes
-MAX_ROWS = 8
+MAX_ROWS = 8  # rows a group: each tile of weights is read once per group
 # -ffast-math lets the plain-C level vectorize its sums (reordering them); the weights are
 # rebuilt with one exact rounding whatever the flags. Each later set drops what a compiler lacked.
 FLAG_SETS = (
@@ -111,7 +112,7 @@ def check_blocks(blocks: Tensor, kind: str, in_features: int) -> None:
 
 
 def quant_gemv(
-    x: Tensor,  # [rows, in] fp32, rows in 1..MAX_ROWS; each row contiguous (rows may be strided)
+    x: Tensor,  # [rows, in] fp32, rows >= 1; each row contiguous (rows may be strided)
     blocks: Tensor,  # [out, in / 32 * block_bytes] uint8, contiguous
     kind: BlockKind,
     out: Tensor | None = None,  # [rows, out] fp32, rows contiguous; default: a new tensor
@@ -126,8 +127,8 @@ def quant_gemv(
             f"x must be a 2-D float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}"
         )
     rows, in_features = x.shape
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"{rows} rows; the kernel takes 1 to {MAX_ROWS} (use a GEMM above)")
+    if rows < 1:
+        raise ValueError(f"{rows} rows; the kernel takes at least 1")
     if x.stride(1) != 1:
         raise ValueError("x's rows must be contiguous")
     check_blocks(blocks, kind, in_features)

@@ -1,5 +1,5 @@
 """Engine: add_request / step / abort on a tiny random Llama and on the real SmolLM2 (fp32, and
-bf16 in the batch-invariant mode)."""
+the batch-invariant mode in bf16 and fp32)."""
 
 import dataclasses
 from pathlib import Path
@@ -179,17 +179,21 @@ def test_smollm2_greedy_same_alone_and_batched_with_chunks_and_preemption():
     assert tok.decode(batched[0]).strip().startswith("Paris")
 
 
-@pytest.mark.parametrize("quantization", ["auto", "int4"])  # dense bf16 GEMMs; int4 GEMVs
-def test_smollm2_bf16_batch_invariant_gives_the_same_bits_alone_batched_and_preempted(
-    quantization,
+@pytest.mark.parametrize(
+    ("dtype", "quantization"),  # dense bf16 GEMMs; int4 GEMVs; fp32 block GEMVs
+    [("bfloat16", "auto"), ("bfloat16", "int4"), ("float32", "auto")],
+)
+def test_smollm2_batch_invariant_gives_the_same_bits_alone_batched_and_preempted(
+    dtype, quantization
 ):
-    """bf16 on the CPU is batch-invariant only in this mode: one GEMM kernel at every row count,
-    a one-row input computed as two. Token ids and logprobs (floats), greedy and seeded, must be
+    """The CPU is batch-invariant only in this mode: in bf16 one GEMM kernel at every row
+    count, a one-row input computed as two; in fp32 the block GEMV at every row count; attention
+    one query token at a time. Token ids and logprobs (floats), greedy and seeded, must be
     identical alone, with three others, chunked and after preemption (with the mode off they
     differ: the logprobs at the first batched step already)."""
     engine = Engine(
         EngineConfig(
-            dtype="bfloat16",
+            dtype=dtype,
             batch_invariant=True,
             quantization=quantization,
             num_kv_blocks=6,
@@ -426,6 +430,44 @@ def test_a_continuation_from_the_logged_tokens_samples_what_the_run_would_have(t
     assert len(whole) == 20
     for cut in (1, 7, 19):
         assert continued(engine, prompt, params, cut, f"cut{cut}") == whole, cut
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_batch_invariant_continuation_is_the_uninterrupted_decode_bit_for_bit(dtype):
+    """A worker taking over from the log prefills prompt + stored tokens, in chunks and beside
+    another request, where the uninterrupted run decoded them one at a time alone: in the
+    batch-invariant mode the tokens after the cut and their logprobs are the same bits, greedy
+    and seeded."""
+    engine = Engine(
+        EngineConfig(
+            dtype=dtype,
+            batch_invariant=True,
+            num_kv_blocks=16,
+            max_num_batched_tokens=16,  # the continuation's prefill goes in chunks
+            max_num_seqs=4,
+        )
+    )
+    tok = engine.tokenizer
+    prompt, other = tok.encode(TEXTS[4]), tok.encode(TEXTS[1])
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    seeded = dataclasses.replace(greedy, temperature=0.8, top_p=0.9, seed=3)
+
+    def run(requests):  # [(request id, prompt, params, num_prior_output)] -> {id: [(tok, lps)]}
+        for rid, ids, params, prior in requests:
+            engine.add_request(rid, ids, params, num_prior_output=prior)
+        out = {rid: [] for rid, *_ in requests}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out[o.request_id] += zip(o.new_token_ids, o.new_logprobs, strict=True)
+        return out
+
+    for params in (greedy, seeded):
+        whole = run([("whole", prompt, params, 0)])["whole"]
+        for cut in (1, 6, 11):
+            head = [t for t, _ in whole[:cut]]
+            rest = dataclasses.replace(params, max_tokens=params.max_tokens - cut)
+            out = run([("beside", other, greedy, 0), ("cont", prompt + head, rest, cut)])
+            assert out["cont"] == whole[cut:], (params.temperature, cut)
 
 
 def test_draws_depend_on_seed_and_position_only():

@@ -60,6 +60,20 @@ def test_decode_rows_take_the_block_gemv_and_more_rows_the_block_gemm(gguf_model
     assert torch.equal(no_gemm(x[:1]), linear(x[:1]))
 
 
+def test_the_invariant_linear_takes_the_block_gemv_at_every_row_count(gguf_model):
+    """The batch-invariant mode: a row's result is the same bits alone, in a decode group or in
+    a 65-row prefill chunk, at any place in it."""
+    _, weights, blocks = gguf_model
+    key = "model.layers.3.mlp.down_proj.weight"
+    linear = GGUFLinear(blocks[key], DenseLinear(weights[key]), invariant=True)
+    x = torch.randn(65, weights[key].shape[1])
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
+    for rows in (1, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 65):
+        assert torch.equal(linear(x[:rows]), alone[:rows]), rows
+    assert torch.equal(linear(x[7:40]), alone[7:40])
+    torch.testing.assert_close(alone, x @ weights[key].t(), atol=1e-4, rtol=1e-5)
+
+
 def test_concat_blocks_is_row_concatenation_of_one_kind(gguf_model):
     _, weights, blocks = gguf_model
     p = "model.layers.0.mlp."

@@ -246,8 +246,20 @@ def test_batch_invariant_option():
     for q in ("int4-decode", "int8-decode"):
         with pytest.raises(ValueError, match=rf"'{q}' switches kernels with the step's row count"):
             resolve_quantization(q, torch.bfloat16, cpu, batch_invariant=True)
-    with pytest.raises(ValueError, match="dtype='float32' on 'cpu'; allowed: dtype 'bfloat16'"):
-        load_model("smollm2-135m", dtype="float32", batch_invariant=True)
+    with pytest.raises(ValueError, match="dtype='float16' on 'cpu'; allowed: dtype 'float32' or"):
+        load_model("smollm2-135m", dtype="float16", batch_invariant=True)
+    with pytest.raises(ValueError, match="float32 with quantization='int8'; allowed: None or"):
+        load_model("smollm2-135m", dtype="float32", quantization="int8", batch_invariant=True)
+    with pytest.raises(RuntimeError, match="in float32 runs every linear on the block GEMV"):
+        load_model("smollm2-135m", dtype="float32", batch_invariant=True, quantized_gemv=False)
+    model, _ = load_model("smollm2-135m", dtype="float32", batch_invariant=True)
+    assert model.lm_head.invariant and model.layers[0].down_proj.invariant
+
+
+def test_fp32_batch_invariant_needs_every_linear_as_blocks(tmp_path):
+    hf_dir = write_hf_dir(tmp_path / "hf", tiny_weights())  # safetensors: no blocks at all
+    with pytest.raises(ValueError, match=r"float32 runs every linear on the GGUF file's Q4_1"):
+        load_model(str(hf_dir), dtype="float32", batch_invariant=True)
 
 
 def test_batch_invariant_without_the_kernel_is_refused(monkeypatch):

@@ -1,5 +1,5 @@
 """The compiled CPU paged-attention kernel against the slow reference over the same blocks, and
-every token of a step as one query: causal attention, chunking changes no bit."""
+every token of a step as one query: causal attention, chunking changes no bit; bf16 and fp32."""
 
 from __future__ import annotations
 
@@ -19,15 +19,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def make_case(lens, num_heads, num_kv_heads, head_dim, block_size=16, seed=0, extra_rows=0):
+def make_case(
+    lens, num_heads, num_kv_heads, head_dim, block_size=16, seed=0, extra_rows=0,
+    dtype=torch.bfloat16,
+):  # fmt: skip
     """A shuffled block pool holding each sequence's keys, NaN in every slot nobody owns."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in lens]
     num_blocks = sum(need) + 3
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
-    v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
     ids = list(range(num_blocks))
     rng.shuffle(ids)
     width = max(need)
@@ -37,12 +40,12 @@ def make_case(lens, num_heads, num_kv_heads, head_dim, block_size=16, seed=0, ex
         used += nb
         for j in range(n):  # only the slots the sequence owns hold numbers
             b, off = blocks[j // block_size], j % block_size
-            k_cache[b, off] = torch.randn(num_kv_heads, head_dim, generator=gen).bfloat16()
-            v_cache[b, off] = torch.randn(num_kv_heads, head_dim, generator=gen).bfloat16()
+            k_cache[b, off] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+            v_cache[b, off] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
         tables.append(blocks + [-1] * (width - nb))
     rows = len(lens) + extra_rows
     # q as the model slices it: the first num_heads heads of a [T, H + KVH, D] tensor
-    qk = torch.randn(rows, num_heads + num_kv_heads, head_dim, generator=gen).bfloat16()
+    qk = torch.randn(rows, num_heads + num_kv_heads, head_dim, generator=gen).to(dtype)
     return qk[:, :num_heads], k_cache, v_cache, torch.tensor(tables, dtype=torch.int32)
 
 
@@ -55,7 +58,7 @@ def expected(q, k_cache, v_cache, tables, lens, rows, scale):
 
 
 def run(q, k_cache, v_cache, tables, lens, rows, scale, seq_idx=None, lib=None):
-    out = torch.zeros(q.shape, dtype=torch.bfloat16)
+    out = torch.zeros(q.shape, dtype=q.dtype)
     i32 = torch.int32
     seq_idx = list(range(len(lens))) if seq_idx is None else seq_idx
     cpu_attention.paged_attention_cpu(
@@ -78,15 +81,18 @@ def run(q, k_cache, v_cache, tables, lens, rows, scale, seq_idx=None, lib=None):
     [(9, 3, 64), (4, 2, 32), (2, 2, 16), (8, 1, 16)],  # SmolLM2's (specialised), GQA, MHA, MQA
 )
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_matches_the_reference_over_shuffled_blocks(num_heads, num_kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matches_the_reference_over_shuffled_blocks(
+    num_heads, num_kv_heads, head_dim, block_size, dtype
+):
     lens = [1, 15, 16, 17, 33, 250, 1025]
-    q, kc, vc, tables = make_case(lens, num_heads, num_kv_heads, head_dim, block_size)
+    q, kc, vc, tables = make_case(lens, num_heads, num_kv_heads, head_dim, block_size, dtype=dtype)
     scale = head_dim**-0.5
     rows = list(range(len(lens)))
     out = run(q, kc, vc, tables, lens, rows, scale)
     want = expected(q, kc, vc, tables, lens, rows, scale)
-    assert torch.isfinite(out.float()).all()  # NaN in unowned slots was never read
-    torch.testing.assert_close(out.float(), want.float(), **TOLERANCE[torch.bfloat16])
+    assert out.dtype == dtype and torch.isfinite(out).all()  # unowned NaN slots never read
+    torch.testing.assert_close(out, want.to(dtype), **TOLERANCE[dtype])
 
 
 def test_writes_only_the_decode_rows_and_follows_seq_idx():
@@ -110,8 +116,10 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch():
 
 def test_rejects_what_it_cannot_compute():
     q, kc, vc, tables = make_case([20], 9, 3, 64)
-    with pytest.raises(ValueError, match="bfloat16"):
+    with pytest.raises(ValueError, match="k_cache must be a float32 CPU tensor"):
         run(q.float(), kc, vc, tables, [20], [0], 0.125)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        run(q.half(), kc.half(), vc.half(), tables, [20], [0], 0.125)
     q17, kc17, vc17, t17 = make_case([20], 17, 1, 16)  # 17 query heads per KV head
     with pytest.raises(ValueError, match="at most 16 query heads per KV head"):
         run(q17, kc17, vc17, t17, [20], [0], 0.25)
@@ -175,18 +183,21 @@ def forced(level: str):
     ("num_heads", "num_kv_heads", "head_dim"),  # vdpbf16ps (D 64), AVX2 (D % 8 == 0), plain (D 20)
     [(9, 3, 64), (8, 2, 128), (4, 2, 32), (6, 3, 20)],
 )
-def test_each_forced_level_matches_the_reference(level, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_forced_level_matches_the_reference(level, num_heads, num_kv_heads, head_dim, dtype):
     try:
         lib = forced(level)
         if cpu_attention._is_x86():
             assert cpu_attention.library_isa(lib) == level  # the path it was asked for
         lens = [1, 15, 17, 300, 1025]
-        q, kc, vc, tables = make_case(lens, num_heads, num_kv_heads, head_dim, seed=5, block_size=7)
+        q, kc, vc, tables = make_case(
+            lens, num_heads, num_kv_heads, head_dim, seed=5, block_size=7, dtype=dtype
+        )
         rows, scale = list(range(len(lens))), head_dim**-0.5
         out = run(q, kc, vc, tables, lens, rows, scale)
         want = expected(q, kc, vc, tables, lens, rows, scale)
-        assert torch.isfinite(out.float()).all()
-        torch.testing.assert_close(out.float(), want.float(), **TOLERANCE[torch.bfloat16])
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, want.to(dtype), **TOLERANCE[dtype])
         alone = run(q, kc, vc, tables, [lens[3]], [3], scale, seq_idx=[3])
         assert torch.equal(alone[3], out[3])  # batch invariance holds at every level
     finally:
@@ -209,13 +220,13 @@ def test_a_forced_level_the_cpu_lacks_is_refused_not_run(monkeypatch, caplog):
         KernelOptions(isa="amx")
 
 
-def test_every_token_as_a_query_is_causal_attention_and_chunking_changes_no_bit():
-    """As the engine runs bf16 (engine/attention.py): each token of a prefill, whole or in
-    chunks, is one query over the cached keys up to its own position."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_token_as_a_query_is_causal_attention_and_chunking_changes_no_bit(dtype):
+    """As the engine runs bf16 and the fp32 batch-invariant mode (engine/attention.py): each
+    token of a prefill, whole or in chunks, is one query over the cached keys up to its own
+    position."""
     lens, bs = [23, 9], 4
-    case = make_prefill_case(
-        lens, lens, num_heads=6, num_kv_heads=2, block_size=bs, dtype=torch.bfloat16
-    )
+    case = make_prefill_case(lens, lens, num_heads=6, num_kv_heads=2, block_size=bs, dtype=dtype)
     qs, _, _, k_cache, v_cache, tables = case
     scale = 16**-0.5
 
@@ -224,7 +235,7 @@ def test_every_token_as_a_query_is_causal_attention_and_chunking_changes_no_bit(
         seq_idx, ctx_len = pa.token_layout(
             [n for _, _, n in seqs], [s + n for _, s, n in seqs], torch.device("cpu")
         )
-        out = torch.zeros(q.shape, dtype=torch.bfloat16)
+        out = torch.zeros(q.shape, dtype=dtype)
         rows = torch.arange(len(q), dtype=torch.int32)
         step_tables = tables[[i for i, _, _ in seqs]].contiguous()
         cpu_attention.paged_attention_cpu(
@@ -234,7 +245,7 @@ def test_every_token_as_a_query_is_causal_attention_and_chunking_changes_no_bit(
 
     whole = attend([(0, 0, 23), (1, 0, 9)])
     want = reference(case, lens, lens, scale)
-    torch.testing.assert_close(whole.float(), want.float(), **TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(whole, want.to(dtype), **TOLERANCE[dtype])
     chunks = [attend([(0, 0, 10)]), attend([(1, 0, 4), (0, 10, 12)]), attend([(0, 22, 1)])]
     assert torch.equal(torch.cat([chunks[0], chunks[1][4:], chunks[2]]), whole[:23])
     assert torch.equal(torch.cat([chunks[1][:4], attend([(1, 4, 5)])]), whole[23:])
