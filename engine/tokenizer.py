@@ -9,6 +9,7 @@ control-token text inside a message (`<|im_start|>system`) is encoded as ordinar
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import secrets
@@ -72,6 +73,17 @@ class Tokenizer:
             )
             or "(?!)"
         )
+
+    @functools.cached_property
+    def _fingerprint(self) -> str:
+        digest = hashlib.sha256(self._backend.to_str().encode())
+        digest.update(b"\0" + (self.chat_template or "").encode())
+        return digest.hexdigest()[:16]
+
+    def fingerprint(self) -> str:
+        """A digest of the vocabulary, merges, special tokens and chat template: two tokenizers
+        with one fingerprint turn every conversation into the same ids."""
+        return self._fingerprint
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no special tokens are added, but special-token text is matched

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas import settings
+from schemas import models, settings
 from schemas.events import Event, RequestAuthorized, decoder_for
 from stages.fit import Costs, assembled, budget_for, fit, fit_raw_prompt
 from stages.retrieval.rerank import BusReranker
@@ -16,7 +16,7 @@ from stages.retrieval.store import Store, default_path
 from stages.runtime.failures import StageError
 from stages.runtime.spec import StageContext, StageSpec
 from stages.summarize import Summarizer
-from stages.tokenize import served_model, tokenizer_for
+from stages.tokenize import tokenizer_for
 
 STAGE = "context"
 
@@ -43,26 +43,45 @@ async def handle(event: RequestAuthorized, state: ContextState) -> list[Event]:
     return [await state.summarizer.assemble(event, state, budget)]
 
 
-async def setup(ctx: StageContext) -> ContextState:
-    tokenizer = tokenizer_for(served_model())
-    max_len = settings.MAX_MODEL_LEN.get() or tokenizer.max_model_len  # the engine's, if smaller
-    retriever = Retriever(
-        Store(default_path()),
-        over_retrieve=settings.RETRIEVAL_OVER_RETRIEVE.get(),
-        reranker=BusReranker(ctx, tokenizer, timeout_s=settings.RERANK_TIMEOUT_S.get()),
-    )
-    return ContextState(
-        costs=Costs(tokenizer),
-        max_model_len=max_len,
-        summarizer=Summarizer(ctx),
-        retriever=retriever,
-    )
+async def _by_model(
+    event: RequestAuthorized, states: dict[str | None, ContextState]
+) -> list[Event]:
+    """Each request is fitted with its own model's template, tokens and window."""
+    state = states.get(event.request.model)
+    if state is None:
+        served = ", ".join(m for m in states if m is not None)
+        raise StageError("model_not_found", f"the model {(event.request.model or '')[:100]!r} is not served here; served: {served}", field="model")  # fmt: skip
+    return await handle(event, state)
+
+
+async def setup(ctx: StageContext) -> dict[str | None, ContextState]:
+    """One state per served model (None: the default's, for a request that names none); they
+    share the retrieval store."""
+    store = Store(default_path())
+    limit = settings.MAX_MODEL_LEN.get()
+    states: dict[str | None, ContextState] = {}
+    for model in models.served():
+        tokenizer = tokenizer_for(model.artifact)
+        retriever = Retriever(
+            store,
+            over_retrieve=settings.RETRIEVAL_OVER_RETRIEVE.get(),
+            reranker=BusReranker(ctx, tokenizer, timeout_s=settings.RERANK_TIMEOUT_S.get()),
+        )
+        states[model.id] = ContextState(
+            costs=Costs(tokenizer),
+            # the engine's window: BRIGADE_MAX_MODEL_LEN, where the model's own is not smaller
+            max_model_len=min(limit or tokenizer.max_model_len, tokenizer.max_model_len),
+            summarizer=Summarizer(ctx),
+            retriever=retriever,
+        )
+        states.setdefault(None, states[model.id])
+    return states
 
 
 SPEC = StageSpec(
     name=STAGE,
     input_event="authorized",
     decoder=decoder_for(RequestAuthorized),
-    handle=handle,
+    handle=_by_model,
     setup=setup,
 )

@@ -7,8 +7,10 @@ tail that could still become a stop string are held back; the `finished` flush r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
+from schemas import models
 from schemas.events import (
     CancelRequested,
     Event,
@@ -76,10 +78,14 @@ def visible(text: str, stop: list[str], *, final: bool) -> tuple[str, bool]:
 
 class Detokenizer:
     """The pure handler: one `tokens` event -> one `text` (+ `cancel` on a stop string);
-    `finished` -> the flush `text` and then `completed` or `cancelled`."""
+    `finished` -> the flush `text` and then `completed` or `cancelled`. Each event is decoded
+    by its model's tokenizer (`for_model(id)`); an event that names none, by `tokenizer`."""
 
-    def __init__(self, tokenizer: TextDecoder) -> None:
+    def __init__(
+        self, tokenizer: TextDecoder, for_model: Callable[[str], TextDecoder] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
+        self.for_model = for_model
 
     def handle(self, event: Event) -> list[Event]:
         match event:
@@ -89,15 +95,24 @@ class Detokenizer:
                 return self.on_finished(event)
         raise TypeError(f"detokenize takes `tokens` and `finished` events, not {type(event)}")
 
-    def _complete(self, ids: list[int]) -> str:
+    def _decoder(self, event: TokensGenerated | RunFinished) -> TextDecoder:
+        if event.model is None or self.for_model is None:
+            return self.tokenizer
+        return self.for_model(event.model)
+
+    @staticmethod
+    def _complete(tokenizer: TextDecoder, ids: list[int]) -> str:
         """Decoded text without a trailing incomplete character (held back until it completes)."""
-        text = self.tokenizer.decode(ids)
+        text = tokenizer.decode(ids)
         return text[:-1] if text.endswith(REPLACEMENT) else text
 
     def on_tokens(self, event: TokensGenerated) -> list[Event]:
+        tok = self._decoder(event)
         context = list(event.context_token_ids)
-        before, stopped_before = visible(self._complete(context), event.stop, final=False)
-        after, stopped = visible(self._complete(context + event.token_ids), event.stop, final=False)
+        before, stopped_before = visible(self._complete(tok, context), event.stop, final=False)
+        after, stopped = visible(
+            self._complete(tok, context + event.token_ids), event.stop, final=False
+        )
         if stopped_before:  # a late event: an earlier one already ended the text
             return [self._text(event, "", stopped=False)]
         out: list[Event] = [self._text(event, after[len(before) :], stopped=stopped)]
@@ -113,9 +128,10 @@ class Detokenizer:
         return out
 
     def on_finished(self, event: RunFinished) -> list[Event]:
+        tok = self._decoder(event)
         ids = list(event.context_token_ids)
-        shown, _ = visible(self._complete(ids), event.stop, final=False)
-        full, cut = visible(self.tokenizer.decode(ids), event.stop, final=True)
+        shown, _ = visible(self._complete(tok, ids), event.stop, final=False)
+        full, cut = visible(tok.decode(ids), event.stop, final=True)
         flush_seq = 0 if event.last_seq is None else event.last_seq + 1
         rid, tenant = event.request_id, event.tenant
         flush = TextGenerated(
@@ -156,9 +172,11 @@ class Detokenizer:
 
 
 async def _setup(ctx: runtime.StageContext) -> Detokenizer:
-    from stages.tokenize import served_model, tokenizer_for  # the engine's model, as tokenize
+    from stages.tokenize import model_tokenizer, tokenizer_for  # the engine's models, as tokenize
 
-    return Detokenizer(tokenizer_for(served_model()))
+    for model in models.served():  # every served model's tokenizer loaded before the first event
+        tokenizer_for(model.artifact)
+    return Detokenizer(model_tokenizer(None), for_model=model_tokenizer)
 
 
 def _handle(event: Event, state: Detokenizer) -> list[Event]:

@@ -23,6 +23,7 @@ import anyio.abc
 import msgspec
 
 from engine.errors import RequestRejected
+from schemas import models
 from schemas.events import (
     CancelRequested,
     PromptTokenized,
@@ -105,8 +106,14 @@ class EngineStage(InputService):
         ctx: StageContext,
         admission: AdmissionConfig,
         priority: CpuPriority | None = None,
+        model: models.ServedModel | None = None,
     ) -> None:
         self.engine = engine
+        # the one model artifact this worker serves: its id goes on every event it publishes
+        # and, with the artifact's identity, into its heartbeat (the edge's /v1/models, /health)
+        self.model = model
+        self.model_id = model.id if model is not None else None
+        self._announcement = announcement(engine, model)
         # step() runs below the stages' event loops and nats-server (stages/runtime/cpu_priority.py)
         self._lowered = LowPriorityThreads(priority or CpuPriority.from_env())
         self.ctx = ctx
@@ -145,6 +152,7 @@ class EngineStage(InputService):
         stats = self.engine.stats()
         return {
             "model_loaded": True,
+            **self._announcement,
             "num_free_blocks": stats.num_free_blocks,
             "num_total_blocks": stats.num_total_blocks,
             "kv_usage": round(stats.kv_usage, 4),
@@ -216,7 +224,9 @@ class EngineStage(InputService):
                     run.event.prompt_token_ids + run.output_ids,
                     run.params,
                     priority,
-                    cache_domain=run.event.tenant or "",  # no prefix is shared across tenants
+                    # no prefix is shared across tenants, nor across models (each worker holds
+                    # one model's blocks; the id in the domain keeps that true if one held more)
+                    cache_domain=f"{self.model_id or ''}/{run.event.tenant or ''}",
                     # a run continuing after stored output: its grammar takes that output first,
                     # and its draws and penalties go on from it
                     constrained_output_ids=run.output_ids if run.params.constraint else (),
@@ -335,6 +345,7 @@ class EngineStage(InputService):
                 num_running=stats.num_running,
                 kv_usage=round(stats.kv_usage, 4),
                 num_step_tokens=None if self._step_reported else stats.num_step_tokens,
+                model=self.model_id,
             )
             first_of_step = not self._step_reported  # it carries the step's size: sent now
             self._step_reported = True
@@ -416,6 +427,7 @@ class EngineStage(InputService):
             num_waiting=stats.num_waiting,
             num_running=stats.num_running,
             kv_usage=round(stats.kv_usage, 4),
+            model=self.model_id,
         )
 
 
@@ -437,11 +449,43 @@ def _coalesced(held: TokensGenerated, step: TokensGenerated) -> TokensGenerated:
     )
 
 
-def load_engine() -> Any:
-    """The engine of the BRIGADE_* variables (in a thread: it takes seconds)."""
+def announcement(engine: Any, model: models.ServedModel | None) -> dict[str, Any]:
+    """What a worker says it serves: the model's id and artifact, and what makes two workers
+    of one id interchangeable (weights' format, dtype, quantization, window, tokenizer and
+    template fingerprint)."""
+    if model is None:
+        return {}
+    from engine.loader import resolve_quantization
+    from engine.weights import model_format, resolve_model
+
+    config = engine.config
+    tok = engine.tokenizer
+    fmt = model_format(resolve_model(config.model))
+    quant = resolve_quantization(
+        config.quantization, engine.dtype, engine.device, config.batch_invariant
+    )
+    # weight-only quantization of the linears; else a GGUF's own blocks where the engine reads them
+    quant = quant or ("gguf-blocks" if fmt == "gguf" and config.quantized_gemv else "none")
+    return {
+        "model": model.id,
+        "artifact": model.artifact,
+        "format": fmt,
+        "dtype": config.dtype,
+        "quantization": quant,
+        "max_model_len": engine.max_model_len,
+        "vocab_size": tok.vocab_size,
+        "tokenizer": tok.fingerprint(),
+    }
+
+
+def load_engine(model: models.ServedModel | None = None) -> Any:
+    """The engine of the BRIGADE_* variables, of `model`'s artifact (default: BRIGADE_MODEL's
+    first); in a thread: it takes seconds."""
     from engine import Engine
 
     engine_config = engine_config_from_env()
+    if model is not None:
+        engine_config = dataclasses.replace(engine_config, model=model.artifact)
     began = time.monotonic()
     log.info(
         "loading model %s (%s, %s)", engine_config.model, engine_config.dtype, engine_config.device
@@ -453,22 +497,33 @@ def load_engine() -> Any:
     return engine
 
 
-def spec(*, engine: Any = None, admission: AdmissionConfig | None = None) -> StageSpec:
-    """The engine stage; with `engine` (tests, benches) it serves that one instead of loading."""
+def spec(
+    *,
+    engine: Any = None,
+    admission: AdmissionConfig | None = None,
+    model: models.ServedModel | None = None,
+) -> StageSpec:
+    """The engine stage; with `engine` (tests, benches) it serves that one instead of loading.
+    With `model` it is bound to that model: it consumes only the `tokenized` events routed to it
+    (llm.ev.*.tokenized.<its token>, a durable per model) and announces it. Without, it
+    consumes the unrouted ones (events that name no model: tests of the stage alone)."""
 
     async def setup(ctx: StageContext) -> Any:
         # step() runs in a thread and holds the GIL between torch ops; a short switch interval
         # lets the event loop (this stage's publishes, every stage sharing the process) in.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-        return engine if engine is not None else await anyio.to_thread.run_sync(load_engine)
+        if engine is not None:
+            return engine
+        return await anyio.to_thread.run_sync(load_engine, model)
 
     def service(ctx: StageContext, loaded: Any) -> EngineStage:
         config = admission or AdmissionConfig(max_active=loaded.config.max_num_seqs)
-        return EngineStage(loaded, ctx, config)
+        return EngineStage(loaded, ctx, config, model=model)
 
     return StageSpec(
         name=STAGE,
         input_event="tokenized",
+        route=model.token if model is not None else None,
         decoder=decoder_for(PromptTokenized),
         service=service,
         setup=setup,
@@ -480,4 +535,13 @@ def spec(*, engine: Any = None, admission: AdmissionConfig | None = None) -> Sta
     )
 
 
-SPEC = spec()
+SPEC = spec()  # unrouted: `brigade stage engine` serves through serve(), bound to its model
+
+
+async def serve(*, config: Any, stop: Any, ready: Any = None, handle_signals: bool = True) -> None:
+    """`brigade stage engine`: one worker of the model BRIGADE_ENGINE_MODEL names (default:
+    BRIGADE_MODEL's first)."""
+    from stages.runtime import worker as runtime
+
+    bound = spec(model=models.engine_model())
+    await runtime.serve(bound, config=config, stop=stop, ready=ready, handle_signals=handle_signals)

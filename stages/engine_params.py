@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import RequestRejected
-from schemas import settings
+from schemas import models, settings
 from schemas.events import Sampling
 from stages.runtime.failures import StageError
 
@@ -31,18 +31,27 @@ class AdmissionConfig:
 
 def admission_room(
     *, num_free_blocks: int, num_total_blocks: int, reserved_blocks: int, num_active: int,
-    config: AdmissionConfig,
+    config: AdmissionConfig, blocks_per_request: int = 1,
 ) -> int:  # fmt: skip
     """How many `tokenized` messages to pull now (0: wait for capacity).
 
     `reserved_blocks` are the blocks that admitted requests whose prompts are not computed yet
     will take; they count as used, so a burst never oversubscribes the cache.
+    `blocks_per_request`: what one more request is expected to take (its prompt's blocks; the
+    stage's mean). Only as many are pulled as fit in the free blocks, so the rest stay in the
+    durable for a worker with room; an idle worker takes one whatever its size.
     """
+    if num_active >= config.max_active:
+        return 0
+    if num_active == 0:
+        fits = max(1, num_free_blocks // max(1, blocks_per_request))
+        return min(config.max_fetch, config.max_active, fits)
     free = num_free_blocks - reserved_blocks
     usage = 1.0 - free / num_total_blocks
-    if free <= 0 or usage >= config.kv_watermark or num_active >= config.max_active:
+    if free <= 0 or usage >= config.kv_watermark:
         return 0
-    return min(config.max_fetch, config.max_active - num_active)
+    fits = free // max(1, blocks_per_request)
+    return min(config.max_fetch, config.max_active - num_active, fits)
 
 
 def derived_seed(request_id: str) -> int:
@@ -129,15 +138,17 @@ def rejected(err: RequestRejected) -> StageError:
 
 
 def engine_config_from_env() -> Any:
-    """EngineConfig from BRIGADE_* variables (model, dtype, device, KV budget, batch limits,
-    batch-invariant mode, prefix caching, speculative decoding)."""
+    """EngineConfig from BRIGADE_* variables (the model BRIGADE_ENGINE_MODEL names of
+    BRIGADE_MODEL's, dtype, device, KV budget, batch limits, batch-invariant mode, prefix
+    caching, speculative decoding)."""
     from engine import EngineConfig
 
     found = settings.load()
     configure_kernels(found)
     kwargs: dict[str, Any] = {}
+    if found.source(settings.MODEL) == "env":  # this worker's one model of the served ones
+        kwargs["model"] = models.engine_model().artifact
     for setting, name in (
-        (settings.MODEL, "model"),
         (settings.DTYPE, "dtype"),
         (settings.DEVICE, "device"),
         (settings.KV_CACHE_BYTES, "kv_cache_memory_bytes"),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from schemas import settings, subjects
+from schemas import models, settings, subjects
 from schemas.bounded import MAX_VALUE_DEPTH, json_depth, value_depth
 from schemas.events import (
     Event,
@@ -47,6 +47,21 @@ def max_text_chars() -> int:
 
 def _invalid(field: str, message: str) -> StageError:
     return StageError("invalid_request", message, field=field)
+
+
+def served_model_id(name: str | None) -> str:
+    """The id of the served model `name` names (None: the default, BRIGADE_MODEL's first); a
+    model nobody here serves fails at once as `model_not_found`, never left waiting."""
+    served = models.served()
+    found = models.find(served, name)
+    if found is None:
+        raise StageError(
+            "model_not_found",
+            f"the model {(name or '')[:100]!r} is not served here; served: "
+            f"{', '.join(m.id for m in served)}",
+            field="model",
+        )
+    return found.id
 
 
 def normalize(submit: Submit, *, limit_chars: int) -> Request:
@@ -170,11 +185,12 @@ def handle(submit: Submit, state: object) -> list[Event]:
     request_id = submit.request_id or new_request_id()
     try:
         request = normalize(submit, limit_chars=max_text_chars())
+        request = msgspec.structs.replace(request, model=served_model_id(submit.model))
     except StageError as err:
         failed = RequestFailed(
             request_id=request_id,
             stage=STAGE,
-            code="invalid_request",
+            code=err.code,  # type: ignore[arg-type]  # invalid_request or model_not_found
             message=err.message,
             field=err.field,
         )

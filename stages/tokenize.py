@@ -6,9 +6,10 @@ engine.tokenizer (no torch), so the stage starts fast.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from engine.tokenizer import Tokenizer, load_tokenizer
-from schemas import settings
+from schemas import models
 from schemas.events import (
     ContextAssembled,
     Event,
@@ -22,14 +23,34 @@ from stages.runtime.spec import StageContext, StageSpec
 STAGE = "tokenize"
 
 
+Tokenizers = Callable[[str | None], Tokenizer]  # a served model's id (None: the default) -> its
+
+
 @functools.cache
 def tokenizer_for(model: str) -> Tokenizer:
+    """The tokenizer and chat template of an artifact (a registered name, .gguf or HF dir)."""
     return load_tokenizer(model)
 
 
 def served_model() -> str:
-    """The engine's model (BRIGADE_MODEL): its tokenizer must be this stage's."""
-    return settings.MODEL.get()
+    """The default served model's artifact (BRIGADE_MODEL's first)."""
+    return models.default().artifact
+
+
+def model_tokenizer(model: str | None) -> Tokenizer:
+    """The tokenizer of the served model of id `model` (None: the default), loaded once: the
+    one its engine workers load from the same artifact. A model not served fails the request
+    (the gateway refuses those first)."""
+    served = models.served()
+    found = models.find(served, model)
+    if found is None:
+        raise StageError(
+            "model_not_found",
+            f"the model {(model or '')[:100]!r} is not served here; served: "
+            f"{', '.join(m.id for m in served)}",
+            field="model",
+        )
+    return tokenizer_for(found.artifact)
 
 
 def prompt_token_ids(request: Request, tokenizer: Tokenizer) -> list[int]:
@@ -61,7 +82,10 @@ def check_token_ids(request: Request, tokenizer: Tokenizer) -> None:
             )
 
 
-def handle(event: ContextAssembled, tokenizer: Tokenizer) -> list[Event]:
+def handle(event: ContextAssembled, tokenizers: Tokenizers) -> list[Event]:
+    """The request's model's template and ids; the event names that model, so it is routed to
+    that model's engine workers."""
+    tokenizer = tokenizers(event.request.model)
     check_token_ids(event.request, tokenizer)
     ids = prompt_token_ids(event.request, tokenizer)
     if not ids:
@@ -81,13 +105,15 @@ def handle(event: ContextAssembled, tokenizer: Tokenizer) -> list[Event]:
             prompt_token_ids=ids,
             sampling=event.request.sampling,
             priority=event.priority,
-            model=event.request.model,
+            model=event.request.model or models.default().id,
         )
     ]
 
 
-async def setup(ctx: StageContext) -> Tokenizer:
-    return tokenizer_for(served_model())
+async def setup(ctx: StageContext) -> Tokenizers:
+    for model in models.served():  # each served model's tokenizer ready before the first input
+        tokenizer_for(model.artifact)
+    return model_tokenizer
 
 
 SPEC = StageSpec(

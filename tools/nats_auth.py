@@ -107,7 +107,8 @@ USERS = (
         (*events("authorized"), *_buckets(subjects.IDEMPOTENCY_BUCKET, subjects.RATES_BUCKET)),
     ),
     User("context", tuple(events("assembled"))),
-    User("tokenize", tuple(events("tokenized"))),
+    # `tokenized` is routed: llm.ev.<id>.tokenized.<model> (schemas/subjects.py ROUTED_EVENTS)
+    User("tokenize", (*events("tokenized"), subjects.routed_events("tokenized"))),
     User("engine", tuple(events("tokens", "finished"))),
     User("detokenize", tuple(events("text", "completed"))),
     User(

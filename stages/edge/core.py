@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -25,7 +25,7 @@ from nats.js.errors import NotFoundError
 from starlette.requests import HTTPConnection
 
 from engine.tokenizer import Tokenizer
-from schemas import settings, subjects
+from schemas import models, settings, subjects
 from schemas.events import (
     AnyEvent,
     CancelRequested,
@@ -50,6 +50,7 @@ from stages.tokenize import tokenizer_for
 
 MAX_AUTH_HEADER = 1024
 ABANDONED_AFTER_S = 10.0  # a claim with no run in the log this long after: submit it anew
+MAX_RUN_MODELS = 100_000  # runs whose model the edge remembers for their metrics' label
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,9 +66,25 @@ class EdgeConfig:
     # A client that drops a run with an idempotency key may come back for it: its cancel waits.
     reconnect_grace_s: float = 15.0
     admission: AdmissionConfig = AdmissionConfig()
-    model: str = settings.MODEL.default  # the served model: its id in `model` and /v1/models
-    model_aliases: tuple[str, ...] = ()  # other names accepted for it (answered as `model`)
-    max_model_len: int | None = None  # None: the tokenizer's context length
+    # BRIGADE_MODEL: the served models, `[id=]artifact`, comma-separated, the default first
+    model: str = settings.MODEL.default
+    # other names accepted in `model` (answered as the id): `alias` (for the default model) or
+    # `alias=id`
+    model_aliases: tuple[str, ...] = ()
+    max_model_len: int | None = None  # None: each model's own context length
+
+    @property
+    def served(self) -> tuple[models.ServedModel, ...]:
+        return models.parse(self.model)
+
+    def aliases(self) -> dict[str, str]:
+        """alias -> the served id it names."""
+        default = self.served[0].id
+        out = {}
+        for entry in self.model_aliases:
+            alias, _, target = (part.strip() for part in entry.partition("="))
+            out[alias] = target or default
+        return out
 
     @classmethod
     def from_env(cls) -> EdgeConfig:
@@ -109,8 +126,11 @@ def check_headers(conn: HTTPConnection, config: EdgeConfig) -> None:
 class Edge:
     def __init__(self, bus: Bus, config: EdgeConfig, keys: KeyRing) -> None:
         self.bus, self.config, self.keys = bus, config, keys
-        self.metrics = EdgeMetrics(config.model)
-        self.tokenizer: Tokenizer | None = None  # the served model's (set by start)
+        self.metrics = EdgeMetrics([m.id for m in config.served])
+        self.tokenizer: Tokenizer | None = None  # the default model's (set by start)
+        self.tokenizers: dict[str, Tokenizer] = {}  # every served model's, by id (start)
+        # the model each run submitted here is for (its events' metrics label), latest last
+        self.run_models: OrderedDict[str, str] = OrderedDict()
         self.gate = AdmissionGate(config.admission)
         self.following: Counter[str] = Counter()  # clients following each run here
         self.background: anyio.abc.TaskGroup | None = None  # delayed cancels (set by serve)
@@ -122,22 +142,47 @@ class Edge:
         await self.bus.ensure_kv()
         self.idempotency = IdempotencyStore(await self.bus.kv(subjects.IDEMPOTENCY_BUCKET))
         self.runs = RunStates(await self.bus.kv(subjects.RUNS_BUCKET))
-        self.tokenizer = await anyio.to_thread.run_sync(tokenizer_for, self.config.model)
-        self.metrics = EdgeMetrics(self.config.model, self.max_model_len)
+        for model in self.config.served:
+            self.tokenizers[model.id] = await anyio.to_thread.run_sync(
+                tokenizer_for, model.artifact
+            )
+        self.tokenizer = self.tokenizers[self.config.served[0].id]
+        self.metrics = EdgeMetrics([m.id for m in self.config.served], self.max_model_len)
 
-    # ---- the served model ----
+    # ---- the served models ----
+
+    def tokenizer_of(self, model: str | None) -> Tokenizer:
+        """The tokenizer of the served model `model` (an id; None: the default)."""
+        found = self.tokenizers.get(model) if model is not None else None
+        if found is None:
+            assert self.tokenizer is not None, "call start() first"
+            return self.tokenizer
+        return found
+
+    def model_len(self, model: str | None) -> int:
+        """A served model's window: BRIGADE_MAX_MODEL_LEN where its own is not smaller."""
+        own = self.tokenizer_of(model).max_model_len
+        return min(self.config.max_model_len or own, own)
 
     @property
     def max_model_len(self) -> int:
-        assert self.tokenizer is not None, "call start() first"
-        return self.config.max_model_len or self.tokenizer.max_model_len
+        """The default model's window."""
+        return self.model_len(None)
 
     def served_model(self, caller: Caller, name: str | None) -> str:
-        """The served model's id for `name` (its id or an alias; None: the served one), else a
+        """The served model's id for `name` (an id or an alias; None: the default), else a
         404 `model_not_found`; a tenant limited to other models gets a 403."""
         config = self.config
-        if name is not None and name != config.model and name not in config.model_aliases:
-            names = ", ".join((config.model, *config.model_aliases))
+        ids = [m.id for m in config.served]
+        aliases = config.aliases()
+        if name is None:
+            model = ids[0]
+        elif name in ids:
+            model = name
+        elif name in aliases:
+            model = aliases[name]
+        else:
+            names = ", ".join((*ids, *aliases))
             raise RequestError(
                 "model_not_found",
                 f"the model {name[:100]!r} is not served here; served: {names} "
@@ -145,29 +190,41 @@ class Edge:
                 "model",
             )
         if name is not None and name in caller.allowed_models:
-            return config.model
-        caller.check_model(config.model)
-        return config.model
+            return model
+        caller.check_model(model)
+        return model
 
     async def engine_ready(self) -> tuple[bool, str]:
-        """Whether an engine worker serves its durable now: a waiting pull request, or work
-        delivered and not yet acked (a full engine asks for no more; a dead one's deliveries
-        count until their ack wait ends)."""
+        """Whether every served model has an engine worker serving its durable now: a waiting
+        pull request, or work delivered and not yet acked (a full engine asks for no more; a
+        dead one's deliveries count until their ack wait ends)."""
         if not self.bus.nc.is_connected:
             return False, "the edge is not connected to NATS"
-        durable = subjects.durable_name("engine")
+        said = []
+        for model in self.config.served:
+            ready, detail = await self._model_ready(model)
+            if not ready:
+                return False, detail
+            said.append(detail)
+        return True, "; ".join(said)
+
+    async def _model_ready(self, model: models.ServedModel) -> tuple[bool, str]:
+        durable = subjects.durable_name("engine", model.token)
         for attempt in range(3):  # a worker tops its pull up every second: look again briefly
             try:
                 info = await self.bus.js.consumer_info(subjects.EVENTS_STREAM, durable)
             except NotFoundError:
-                return False, f"no engine durable {durable!r} yet: no engine worker has started"
+                return False, (
+                    f"no engine durable {durable!r} yet: no engine worker of {model.id!r} has "
+                    "started"
+                )
             if info.num_waiting:
-                return True, f"{info.num_waiting} engine pull request(s) waiting"
+                return True, f"{model.id}: {info.num_waiting} engine pull request(s) waiting"
             if info.num_ack_pending:
-                return True, f"an engine worker holds {info.num_ack_pending} request(s)"
+                return True, f"{model.id}: an engine worker holds {info.num_ack_pending} request(s)"  # fmt: skip
             if attempt < 2:
                 await anyio.sleep(0.1)
-        return False, f"no engine worker is pulling from {durable!r}"
+        return False, f"no engine worker of {model.id!r} is pulling from {durable!r}"
 
     # ---- identity ----
 
@@ -227,8 +284,14 @@ class Edge:
         )
 
     def _observe(self, event: AnyEvent, _received_ns: int) -> None:
-        self.metrics.observe_event(event)
+        self.metrics.observe_event(event, self.run_models.get(event.request_id))
         self.gate.observe(event)
+
+    def _remember_model(self, request_id: str, model: str) -> None:
+        self.run_models[request_id] = model
+        self.run_models.move_to_end(request_id)
+        while len(self.run_models) > MAX_RUN_MODELS:
+            self.run_models.popitem(last=False)
 
     async def open_run(
         self,
@@ -243,6 +306,7 @@ class Edge:
         joins the waiting work without being refused for waiting behind its own first run."""
         model = self.served_model(caller, submit.model)
         submit = msgspec.structs.replace(submit, model=model)
+        self._remember_model(submit.request_id or "", model)
         try:  # the gateway's own checks, here for a fast 400 and the idempotency digest
             request = gateway.normalize(submit, limit_chars=gateway.max_text_chars())
         except StageError as err:
@@ -289,7 +353,7 @@ class Edge:
         admission, busy or idle: max_tokens alone, or with the text no truncation drops (a raw
         prompt, the last message; not under sliding_window). Near the limit the context stage
         decides, on the real template."""
-        limit = self.max_model_len
+        limit = self.model_len(submit.model)
         if submit.max_tokens >= limit:
             raise RequestError(
                 "context_length",
@@ -306,8 +370,8 @@ class Edge:
         )
         if estimate_prompt_tokens([text]) + submit.max_tokens <= limit:
             return
-        assert self.tokenizer is not None, "call start() first"
-        num_tokens = len(await anyio.to_thread.run_sync(self.tokenizer.encode_text, text))
+        tokenizer = self.tokenizer_of(submit.model)
+        num_tokens = len(await anyio.to_thread.run_sync(tokenizer.encode_text, text))
         if num_tokens + submit.max_tokens > limit:
             what = "the prompt" if field == "prompt" else "the last message"
             raise RequestError(
@@ -408,17 +472,18 @@ class Edge:
         """The run's deltas with the edge's latency metrics (TTFT, ITL, e2e)."""
         started = last = time.monotonic()
         first = True
-        self.metrics.open_streams.inc()
+        series = self.metrics.of(self.run_models.get(watch.request_id))
+        series.open_streams.inc()
         self.following[watch.request_id] += 1
         try:
             async for delta in watch.deltas():
                 now = time.monotonic()
-                (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
+                (series.ttft if first else series.itl).observe(now - last)
                 first, last = False, now
                 yield delta
-            self.metrics.e2e.observe(time.monotonic() - started)
+            series.e2e.observe(time.monotonic() - started)
         finally:
-            self.metrics.open_streams.dec()
+            series.open_streams.dec()
             self.following[watch.request_id] -= 1
             if not self.following[watch.request_id]:
                 del self.following[watch.request_id]

@@ -1,5 +1,5 @@
 """Prometheus metrics of the edge, named like vLLM's (`vllm:` -> `brigade:`), every series
-labelled with the served `model_name`.
+labelled with its run's `model_name` (each served model has its own series).
 
 Latencies are measured at the edge (submit -> first delta -> each delta -> end); queue, prefill
 and decode times, time per output token and the engine gauges come from the engine's `finished`
@@ -11,6 +11,9 @@ so it counts the steps that gave one of this edge's runs a token.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -55,58 +58,51 @@ def token_buckets(max_model_len: int) -> tuple[float, ...]:
 
 
 class EdgeMetrics:
-    def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
-        self.model_name = model = model_name
+    """The families, labelled by model; `of(model)` is one model's series (every served model
+    has its own from the start, so each appears in /metrics before its first request)."""
+
+    def __init__(self, model_name: str | Sequence[str], max_model_len: int = 8192) -> None:
+        names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        self.model_name = names[0]  # the default: events that name no model count for it
         self.registry = r = CollectorRegistry()
+        self._families: dict[str, Histogram | Gauge | Counter] = {}
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, [_LABEL], registry=r, buckets=buckets).labels(model)
+        def histogram(key: str, name: str, doc: str, buckets: tuple[float, ...]) -> None:
+            self._families[key] = Histogram(name, doc, [_LABEL], registry=r, buckets=buckets)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, [_LABEL], registry=r).labels(model)
+        def gauge(key: str, name: str, doc: str) -> None:
+            self._families[key] = Gauge(name, doc, [_LABEL], registry=r)
 
-        self.ttft = histogram(
-            "brigade:time_to_first_token_seconds", "Submit to first text delta.", _TTFT
-        )
-        self.itl = histogram(
-            "brigade:inter_token_latency_seconds", "Between consecutive text deltas.", _PER_TOKEN
-        )
-        self.tpot = histogram(
-            "brigade:time_per_output_token_seconds",
+        def counter(key: str, name: str, doc: str) -> None:
+            self._families[key] = Counter(name, doc, [_LABEL], registry=r)
+
+        histogram("ttft", "brigade:time_to_first_token_seconds", "Submit to first text delta.", _TTFT)  # fmt: skip
+        histogram("itl", "brigade:inter_token_latency_seconds", "Between consecutive text deltas.", _PER_TOKEN)  # fmt: skip
+        histogram(
+            "tpot", "brigade:time_per_output_token_seconds",
             "A request's decode time per output token after the first.", _PER_TOKEN,
         )  # fmt: skip
-        self.e2e = histogram(
-            "brigade:e2e_request_latency_seconds", "Submit to the run's end.", _LONG
-        )
-        self.queue = histogram(
-            "brigade:request_queue_time_seconds", "Waiting for admission into the engine.", _LONG
-        )
-        self.prefill = histogram(
-            "brigade:request_prefill_time_seconds", "Engine admission to first token.", _LONG
-        )
-        self.decode = histogram(
-            "brigade:request_decode_time_seconds", "Engine first token to finish.", _LONG
-        )
+        histogram("e2e", "brigade:e2e_request_latency_seconds", "Submit to the run's end.", _LONG)
+        histogram("queue", "brigade:request_queue_time_seconds", "Waiting for admission into the engine.", _LONG)  # fmt: skip
+        histogram("prefill", "brigade:request_prefill_time_seconds", "Engine admission to first token.", _LONG)  # fmt: skip
+        histogram("decode", "brigade:request_decode_time_seconds", "Engine first token to finish.", _LONG)  # fmt: skip
         tokens = token_buckets(max_model_len)
-        self.request_prompt_tokens = histogram(
-            "brigade:request_prompt_tokens", "Prompt tokens of each finished request.", tokens
-        )
-        self.request_generation_tokens = histogram(
-            "brigade:request_generation_tokens", "Generated tokens of each finished request.",
-            tokens,
-        )  # fmt: skip
+        histogram("request_prompt_tokens", "brigade:request_prompt_tokens", "Prompt tokens of each finished request.", tokens)  # fmt: skip
+        histogram("request_generation_tokens", "brigade:request_generation_tokens", "Generated tokens of each finished request.", tokens)  # fmt: skip
+        histogram("iteration_tokens", "brigade:iteration_tokens_total", "Tokens computed per engine step.", _ITERATION)  # fmt: skip
+        gauge("running", "brigade:num_requests_running", "Requests in the running batch.")
+        gauge("waiting", "brigade:num_requests_waiting", "Requests waiting for engine admission.")
+        gauge("kv_usage", "brigade:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")  # fmt: skip
+        gauge("open_streams", "brigade:edge_open_streams", "Runs this edge is streaming now.")
+        counter("prompt_tokens", "brigade:prompt_tokens", "Prefilled tokens.")
+        counter("generation_tokens", "brigade:generation_tokens", "Generated tokens.")
+        counter("preemptions", "brigade:num_preemptions", "Preemptions of runs by the engine.")
+        counter("prefix_queries", "brigade:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")  # fmt: skip
+        counter("prefix_hits", "brigade:prefix_cache_hits", "Prompt tokens found in the prefix cache.")  # fmt: skip
         self._stage = Histogram(
             "brigade:stage_duration_seconds", "A stage's own service time per event.",
             [_LABEL, "stage"], registry=r, buckets=_STAGE,
         )  # fmt: skip
-        self.running = gauge("brigade:num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge(
-            "brigade:num_requests_waiting", "Requests waiting for engine admission."
-        )
-        self.kv_usage = gauge(
-            "brigade:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."
-        )
-        self.open_streams = gauge("brigade:edge_open_streams", "Runs this edge is streaming now.")
         self._success = Counter(
             "brigade:request_success", "Finished runs by finish reason.",
             [_LABEL, "finished_reason"], registry=r,
@@ -114,60 +110,65 @@ class EdgeMetrics:
         self._failure = Counter(
             "brigade:request_failure", "Failed runs by error code.", [_LABEL, "code"], registry=r
         )
-        self.prompt_tokens = Counter(
-            "brigade:prompt_tokens", "Prefilled tokens.", [_LABEL], registry=r
-        ).labels(model)
-        self.generation_tokens = Counter(
-            "brigade:generation_tokens", "Generated tokens.", [_LABEL], registry=r
-        ).labels(model)
-        self.iteration_tokens = histogram(
-            "brigade:iteration_tokens_total", "Tokens computed per engine step.", _ITERATION
-        )
-        self.preemptions = Counter(
-            "brigade:num_preemptions", "Preemptions of runs by the engine.", [_LABEL], registry=r
-        ).labels(model)
-        self.prefix_queries = Counter(
-            "brigade:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-            [_LABEL], registry=r,
-        ).labels(model)  # fmt: skip
-        self.prefix_hits = Counter(
-            "brigade:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-            [_LABEL], registry=r,
-        ).labels(model)  # fmt: skip
+        self._series: dict[str, ModelSeries] = {}
+        for name in names:
+            self.of(name)
 
-    def observe_event(self, event: AnyEvent) -> None:
+    def of(self, model: str | None) -> ModelSeries:
+        """One model's series (None: the default model's)."""
+        model = model or self.model_name
+        found = self._series.get(model)
+        if found is None:
+            found = self._series[model] = ModelSeries(
+                model, {key: family.labels(model) for key, family in self._families.items()}
+            )
+        return found
+
+    def observe_event(self, event: AnyEvent, model: str | None = None) -> None:
+        """Count `event` for its model: the one it names (tokens, finished), else `model` (the
+        run's, as the edge resolved it), else the default."""
+        model = getattr(event, "model", None) or model or self.model_name
+        m = self.of(model)
         stage = STAGE_OF_EVENT.get(type(event).__struct_config__.tag)  # type: ignore[arg-type]
         if stage is not None and event.service_ns > 0:
-            self._stage.labels(self.model_name, stage).observe(event.service_ns / 1e9)
+            self._stage.labels(model, stage).observe(event.service_ns / 1e9)
         if isinstance(event, TokensGenerated | RunFinished):
             if event.num_running is not None:
-                self.running.set(event.num_running)
+                m.running.set(event.num_running)
             if event.num_waiting is not None:
-                self.waiting.set(event.num_waiting)
+                m.waiting.set(event.num_waiting)
             if event.kv_usage is not None:
-                self.kv_usage.set(event.kv_usage)
+                m.kv_usage.set(event.kv_usage)
         if isinstance(event, TokensGenerated) and event.num_step_tokens is not None:
-            self.iteration_tokens.observe(event.num_step_tokens)
+            m.iteration_tokens.observe(event.num_step_tokens)
         if isinstance(event, RunFinished):
-            self.queue.observe(event.queue_ns / 1e9)
-            self.prefill.observe(event.prefill_ns / 1e9)
-            self.decode.observe(event.decode_ns / 1e9)
+            m.queue.observe(event.queue_ns / 1e9)
+            m.prefill.observe(event.prefill_ns / 1e9)
+            m.decode.observe(event.decode_ns / 1e9)
             if event.usage.completion_tokens > 1:
-                self.tpot.observe(event.decode_ns / 1e9 / (event.usage.completion_tokens - 1))
-            self.preemptions.inc(event.num_preemptions)
-            self.prefix_queries.inc(event.usage.prompt_tokens)
-            self.prefix_hits.inc(event.usage.cached_tokens)
+                m.tpot.observe(event.decode_ns / 1e9 / (event.usage.completion_tokens - 1))
+            m.preemptions.inc(event.num_preemptions)
+            m.prefix_queries.inc(event.usage.prompt_tokens)
+            m.prefix_hits.inc(event.usage.cached_tokens)
         elif isinstance(event, RunCompleted | RunCancelled):
             if isinstance(event, RunCompleted):
-                self._success.labels(self.model_name, event.finish_reason).inc()
+                self._success.labels(model, event.finish_reason).inc()
             else:
-                self._success.labels(self.model_name, "abort").inc()
-            self.prompt_tokens.inc(event.usage.prompt_tokens)
-            self.generation_tokens.inc(event.usage.completion_tokens)
-            self.request_prompt_tokens.observe(event.usage.prompt_tokens)
-            self.request_generation_tokens.observe(event.usage.completion_tokens)
+                self._success.labels(model, "abort").inc()
+            m.prompt_tokens.inc(event.usage.prompt_tokens)
+            m.generation_tokens.inc(event.usage.completion_tokens)
+            m.request_prompt_tokens.observe(event.usage.prompt_tokens)
+            m.request_generation_tokens.observe(event.usage.completion_tokens)
         elif isinstance(event, RequestFailed):
-            self._failure.labels(self.model_name, event.code).inc()
+            self._failure.labels(model, event.code).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelSeries:
+    """One model's child of every family: `series.ttft.observe(...)`."""
+
+    def __init__(self, model: str, children: dict[str, Any]) -> None:
+        self.model = model
+        self.__dict__.update(children)

@@ -1,8 +1,10 @@
-"""The served model's routes, as vLLM answers them: GET /v1/models and /v1/models/{id} (with
-`max_model_len`), GET /health (200 only while an engine worker serves; with each stage's live
-and ready workers and the engine's KV room, from their heartbeats), GET /version, and POST
-/tokenize and /detokenize with the served tokenizer and chat template, exactly as the
-tokenize stage encodes a prompt (no special tokens added; the template writes its own).
+"""The served models' routes, as vLLM answers them: GET /v1/models and /v1/models/{id} (each
+served model and alias with `max_model_len`, and what its live engine workers announce), GET
+/health (200 only while every served model has an engine worker serving; with each stage's
+live and ready workers, each model's announcement and the engines' KV room, from their
+heartbeats), GET /version, and POST /tokenize and /detokenize with the named model's tokenizer
+and chat template, exactly as the tokenize stage encodes a prompt (no special tokens added; the
+template writes its own).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from msgspec import Struct
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.tokenizer import Tokenizer
 from schemas import subjects
 from stages.edge.core import Edge
 from stages.edge.errors import RequestError, error_response
@@ -27,6 +28,8 @@ from stages.edge.tool_calls import Tools
 from stages.runtime import heartbeat
 
 MAX_DETOKENIZE_IDS = 1 << 17
+# what a model card shows of an engine worker's announcement (stages/engine.py announcement)
+ANNOUNCED = ("artifact", "format", "dtype", "quantization", "max_model_len", "tokenizer")
 
 
 def brigade_version() -> str:
@@ -73,32 +76,44 @@ class ModelRoutes:
     def __init__(self, edge: Edge) -> None:
         self.edge = edge
 
-    @property
-    def tokenizer(self) -> Tokenizer:
-        assert self.edge.tokenizer is not None, "the edge was not started"
-        return self.edge.tokenizer
-
-    def _card(self, name: str) -> dict[str, Any]:
-        model = self.edge.config.model
+    def _card(self, name: str, announced: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        """One model (or alias) as OpenAI's model object, vLLM's `max_model_len` added (the
+        engine's own, once one announces it) and `engines`: what each live, ready engine
+        worker of it announces (artifact, format, dtype, quantization, tokenizer)."""
+        model = name if name in self.edge.tokenizers else self.edge.config.aliases().get(name, name)
+        artifact = next((m.artifact for m in self.edge.config.served if m.id == model), model)
+        engines = announced.get(model, [])
+        lens = [e["max_model_len"] for e in engines if isinstance(e.get("max_model_len"), int)]
         return {
             "id": name,
             "object": "model",
             "created": 0,
             "owned_by": "brigade",
-            "root": model,
+            "root": artifact,
             "parent": None if name == model else model,
-            "max_model_len": self.edge.max_model_len,
+            "max_model_len": min(lens) if lens else self.edge.model_len(model),
+            "engines": engines,
         }
 
     def _names(self, request: Request) -> list[str]:
         caller = self.edge.authenticate(request)
         config = self.edge.config
-        return caller.models((config.model, *config.model_aliases))
+        return caller.models((*(m.id for m in config.served), *config.aliases()))
+
+    async def _announced(self) -> dict[str, list[dict[str, Any]]]:
+        """model id -> the announcements of its live, ready engine workers."""
+        found: dict[str, list[dict[str, Any]]] = {}
+        for beat in await self._beats() or ():
+            model = beat.detail.get("model")
+            if beat.stage == "engine" and beat.ready and isinstance(model, str):
+                keep = {k: v for k, v in beat.detail.items() if k in ANNOUNCED}
+                found.setdefault(model, []).append({"worker": beat.worker, **keep})
+        return found
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(
-            {"object": "list", "data": [self._card(n) for n in self._names(request)]}
-        )
+        names = self._names(request)
+        announced = await self._announced()
+        return JSONResponse({"object": "list", "data": [self._card(n, announced) for n in names]})
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
@@ -106,26 +121,27 @@ class ModelRoutes:
             raise RequestError(
                 "model_not_found", f"the model {name[:100]!r} is not served here", "model"
             )
-        return JSONResponse(self._card(name))
+        return JSONResponse(self._card(name, await self._announced()))
 
     async def health(self, request: Request) -> Response:
         ready, detail = await self.edge.engine_ready()
         if ready:
             body: dict[str, Any] = {"status": "ok", "detail": detail}
-            stages = await self._stages()
-            if stages is not None:
+            beats = await self._beats()
+            if beats is not None:
+                stages = heartbeat.by_stage(beats)
                 body["stages"] = stages
                 body["engine"] = stages.get("engine", {}).get("detail", [])
             return JSONResponse(body)
         err = RequestError("unavailable", f"not ready to serve: {detail}", retry_after_s=1.0)
         return error_response(err)
 
-    async def _stages(self) -> dict[str, Any] | None:
-        """Each stage's live and ready workers from their heartbeats (None: cannot read them)."""
+    async def _beats(self) -> list[heartbeat.Beat] | None:
+        """Every live worker's beat (None: cannot read them)."""
         try:
             with anyio.fail_after(2.0):
                 kv = await self.edge.bus.kv(subjects.STAGES_BUCKET, ttl_s=heartbeat.TTL_S)
-                return heartbeat.by_stage(await heartbeat.beats(kv, timeout_s=1.0))
+                return await heartbeat.beats(kv, timeout_s=1.0)
         except Exception:  # noqa: BLE001 - readiness is answered without the per-stage detail
             return None
 
@@ -137,8 +153,8 @@ class ModelRoutes:
         raw = decode_json(await read_body(request, self.edge.config.max_body_bytes))
         chat = isinstance(raw, dict) and "messages" in raw
         req = _convert(raw, TokenizeChat if chat else TokenizeCompletion)
-        self.edge.served_model(caller, req.model)
-        tok = self.tokenizer
+        model = self.edge.served_model(caller, req.model)
+        tok = self.edge.tokenizer_of(model)
         if isinstance(req, TokenizeChat):
             messages = wire_messages(req.messages, req.tools)
             try:
@@ -151,7 +167,7 @@ class ModelRoutes:
         return JSONResponse(
             {
                 "count": len(ids),
-                "max_model_len": self.edge.max_model_len,
+                "max_model_len": self.edge.model_len(model),
                 "tokens": ids,
                 "token_strs": strs,
             }
@@ -161,8 +177,8 @@ class ModelRoutes:
         caller = self.edge.authenticate(request)
         raw = decode_json(await read_body(request, self.edge.config.max_body_bytes))
         req = _convert(raw, Detokenize)
-        self.edge.served_model(caller, req.model)
-        vocab = self.tokenizer.vocab_size
+        tok = self.edge.tokenizer_of(self.edge.served_model(caller, req.model))
+        vocab = tok.vocab_size
         bad = [i for i, t in enumerate(req.tokens) if not 0 <= t < vocab]
         if bad:
             raise RequestError(
@@ -176,4 +192,4 @@ class ModelRoutes:
                 f"{len(req.tokens)} tokens; at most {MAX_DETOKENIZE_IDS} per request",
                 "tokens",
             )
-        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": tok.decode(req.tokens)})

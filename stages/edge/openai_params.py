@@ -82,8 +82,8 @@ PARAMS: tuple[Param, ...] = (
     # OpenAI's chat and completions parameters, as the `openai` SDK sends them
     _honoured(
         "model",
-        "the served model's id or one of its aliases; the reply names the served "
-        "id; any other is a 404 `model_not_found`",
+        "a served model's id (BRIGADE_MODEL; GET /v1/models) or an alias; its engine "
+        "workers answer, the reply names the id; any other is a 404 `model_not_found`",
     ),  # fmt: skip
     _honoured(
         "messages",

@@ -175,8 +175,7 @@ class OpenAIRoutes:
     def _run(
         self, index: int, watch: RunWatch, body: OpenAIRequest, submit: Submit, tokens: TokenEvents
     ) -> _Run:
-        tok = self.edge.tokenizer
-        assert tok is not None, "the edge was not started"
+        tok = self.edge.tokenizer_of(submit.model)
         run = _Run(index, watch, body, tokens if submit.logprobs is not None else None)
         run.prompt_index = index // num_candidates(body)
         if submit.logprobs is not None:

@@ -54,6 +54,9 @@ class StageSpec:
     setup: Callable[[StageContext], Awaitable[Any]] | None = None
     teardown: Callable[[Any], Awaitable[None]] | None = None
     subject: str | None = None
+    # A routed input (schemas/subjects.py ROUTED_EVENTS): only the events routed to this token
+    # (the engine's model) reach this stage, through a durable of its own.
+    route: str | None = None
     stream: str = subjects.EVENTS_STREAM
     ack_wait_s: float = 30.0
     max_deliver: int = 5
@@ -103,9 +106,9 @@ class StageSpec:
         elif isinstance(self.input_event, tuple):
             subject = tuple(subjects.all_events(e) for e in self.input_event)
         else:
-            subject = subjects.all_events(self.input_event or "")
+            subject = subjects.all_events(self.input_event or "", self.route)
         return ConsumerSpec(
-            durable=subjects.durable_name(self.name),
+            durable=subjects.durable_name(self.name, self.route),
             filter_subject=subject,
             stream=self.stream,
             ack_wait_s=self.ack_wait_s,

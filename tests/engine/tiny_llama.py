@@ -87,3 +87,25 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
         )
     )
     return path
+
+
+def write_tiny_llama_with_tokenizer(path: Path, tokenizer_of: str, seed: int = 0) -> Path:
+    """The tiny random Llama with another model's tokenizer and chat template (`tokenizer_of`:
+    a registered name, .gguf or HF dir): a second model that shares the first's ids, so only
+    the weights answer differently."""
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_of)
+    config = {**CONFIG, "vocab_size": tok.vocab_size, "max_position_embeddings": 2048}
+    write_weights(path, {**config, "eos_token_id": tok.eos_token_id}, seed)
+    tok._backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": tok.bos_token,
+                "eos_token": tok.eos_token,
+                "chat_template": tok.chat_template,
+            }
+        )
+    )
+    return path

@@ -273,7 +273,8 @@ async def test_idempotency_key_runs_once(pipeline):
         info = await bus.js.stream_info(subjects.EVENTS_STREAM, subjects_filter=f"llm.ev.{rid}.>")
         counts = info.state.subjects or {}
         for event in ("accepted", "tokenized", "completed"):
-            assert counts[subjects.event_subject(rid, event)] == 1, event
+            route = subjects.model_token(MODEL) if event in subjects.ROUTED_EVENTS else None
+            assert counts[subjects.event_subject(rid, event, route)] == 1, event
     finally:
         await bus.close()
 

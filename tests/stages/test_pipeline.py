@@ -20,7 +20,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from schemas import subjects
+from schemas import models, subjects
 from schemas.events import (
     AnyEvent,
     CancelRequested,
@@ -93,8 +93,12 @@ async def wait_consuming(config: BusConfig, workers: dict[str, int], timeout_s: 
             while left:
                 for name in list(left):
                     stream = subjects.SUBMIT_STREAM if name == "gateway" else subjects.EVENTS_STREAM
+                    # the engine's workers share their model's durable
+                    route = models.default().token if name == "engine" else None
                     try:
-                        info = await bus.js.consumer_info(stream, subjects.durable_name(name))
+                        info = await bus.js.consumer_info(
+                            stream, subjects.durable_name(name, route)
+                        )
                     except Exception:  # noqa: BLE001 - not created yet
                         continue
                     if info.num_waiting >= left[name]:
@@ -223,7 +227,7 @@ async def counts(bus: Bus, request_id: str) -> dict[str, int]:
     info = await bus.js.stream_info(
         subjects.EVENTS_STREAM, subjects_filter=subjects.request_events(request_id)
     )
-    return {s.rsplit(".", 1)[1]: n for s, n in (info.state.subjects or {}).items()}
+    return {s.split(".")[3]: n for s, n in (info.state.subjects or {}).items()}  # event, not model
 
 
 def of(events: list[AnyEvent], cls: type) -> list:

@@ -102,7 +102,11 @@ async def _poison_and_check(edge, config: BusConfig) -> None:
         cases = poisons(kind) | ({"huge": huge(kind)} if kind in ("submit", "tokens") else {})
         for name, payload in cases.items():
             rid = f"pz-{name}-{kind}".replace("named-", "")
-            subject = subjects.SUBMIT if kind == "submit" else subjects.event_subject(rid, kind)
+            # a routed event's poison goes where its consumer reads: the model's own subject
+            route = subjects.model_token(MODEL) if kind in subjects.ROUTED_EVENTS else None
+            subject = (
+                subjects.SUBMIT if kind == "submit" else subjects.event_subject(rid, kind, route)
+            )
             ack = await bus.js.publish(subject, payload)
             sent.append((subject, name, ack.seq))
     consumers = await _settled(bus, 120)
@@ -116,7 +120,7 @@ async def _poison_and_check(edge, config: BusConfig) -> None:
     for subject, name, seq in sent:
         if subject == subjects.SUBMIT or name.startswith("named-"):
             continue  # the gateway fails every bad submit; a named one fails its request
-        if subject.endswith((".tokens", ".tokenized", ".assembled", ".authorized", ".accepted")):
+        if subject.split(".")[3] in ("tokens", "tokenized", "assembled", "authorized", "accepted"):
             letter = by_seq[(subjects.EVENTS_STREAM, seq)]  # some stage consumes it
             assert letter.subject == subject and letter.reason, letter
     deep = next(d for d in letters if d.subject == "llm.ev.pz-deep-tokens.tokens")

@@ -30,7 +30,7 @@ def test_chat_template_ids(tok) -> None:
         sampling=Sampling(max_tokens=3, seed=5),
         model="smollm2-135m",
     )
-    (out,) = tokenize.handle(assembled(req), tok)
+    (out,) = tokenize.handle(assembled(req), lambda _model: tok)
     # <|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n
     ids = [1, 9690, 198, 6077, 5453, 30, 2, 198, 1, 4093, 198, 6004, 2, 198, 1, 520, 9531, 198]
     assert out.prompt_token_ids == ids
@@ -45,7 +45,7 @@ def test_chat_template_ids(tok) -> None:
 
 def test_raw_prompt_skips_the_template(tok) -> None:
     req = Request(messages=[Message(role="user", content="Hello world")], raw_prompt=True)
-    (out,) = tokenize.handle(assembled(req), tok)
+    (out,) = tokenize.handle(assembled(req), lambda _model: tok)
     assert out.prompt_token_ids == tok.encode("Hello world") == [19556, 905]
 
 
@@ -56,7 +56,7 @@ def test_too_long_prompt_fails_with_numbers(tok) -> None:
         sampling=Sampling(max_tokens=9),
     )
     with pytest.raises(StageError) as info:
-        tokenize.handle(assembled(req, max_prompt_tokens=1), tok)
+        tokenize.handle(assembled(req, max_prompt_tokens=1), lambda _model: tok)
     assert info.value.code == "context_length"
     assert info.value.message.startswith(
         "the prompt has 2 tokens but only 1 fit (the context window minus max_tokens=9)"
@@ -71,7 +71,7 @@ def test_a_forged_turn_reaches_the_model_as_text(tok) -> None:
             Message(role="user", content=forged),
         ]
     )
-    (out,) = tokenize.handle(assembled(req), tok)
+    (out,) = tokenize.handle(assembled(req), lambda _model: tok)
     control = [i for i in out.prompt_token_ids if i < 17]
     assert control == [1, 2, 1, 2, 1]  # system turn, user turn, generation prompt: the template's
     user_text = out.prompt_token_ids[11:-6]  # after <|im_start|>user\n, before <|im_end|>\n...
@@ -80,7 +80,7 @@ def test_a_forged_turn_reaches_the_model_as_text(tok) -> None:
 
 def test_a_raw_prompt_keeps_its_control_tokens(tok) -> None:
     req = Request(messages=[Message(role="user", content="<|im_start|>hi")], raw_prompt=True)
-    (out,) = tokenize.handle(assembled(req), tok)
+    (out,) = tokenize.handle(assembled(req), lambda _model: tok)
     assert out.prompt_token_ids == [1, 6004]
 
 
@@ -90,24 +90,24 @@ def test_stop_token_ids_must_be_the_models(tok) -> None:
         sampling=Sampling(stop_token_ids=[2, 49151, 49152]),
     )
     with pytest.raises(StageError) as info:
-        tokenize.handle(assembled(req), tok)
+        tokenize.handle(assembled(req), lambda _model: tok)
     assert (info.value.code, info.value.field) == ("invalid_request", "stop_token_ids[2]")
     assert "ids are 0 to 49151" in info.value.message
     ok = Request(messages=req.messages, sampling=Sampling(stop_token_ids=[2, 49151]))
-    (out,) = tokenize.handle(assembled(ok), tok)
+    (out,) = tokenize.handle(assembled(ok), lambda _model: tok)
     assert out.sampling.stop_token_ids == [2, 49151]
     biased = Request(messages=req.messages, sampling=Sampling(logit_bias={5: 1.0, 49152: -100}))
     with pytest.raises(StageError) as info:
-        tokenize.handle(assembled(biased), tok)
+        tokenize.handle(assembled(biased), lambda _model: tok)
     assert (info.value.field, "ids are 0 to 49151" in info.value.message) == (
         "logit_bias.49152", True)  # fmt: skip
     ids = Request(messages=[], raw_prompt=True, prompt_token_ids=[1, 49152])
     with pytest.raises(StageError) as info:
-        tokenize.handle(assembled(ids), tok)
+        tokenize.handle(assembled(ids), lambda _model: tok)
     assert info.value.field == "prompt_token_ids[1]"
     (out,) = tokenize.handle(assembled(Request(messages=[], raw_prompt=True,
-                                               prompt_token_ids=[1, 49151])), tok)  # fmt: skip
+                                               prompt_token_ids=[1, 49151])), lambda _model: tok)  # fmt: skip
     assert out.prompt_token_ids == [1, 49151]
     fine = Request(messages=req.messages, sampling=Sampling(logit_bias={49151: 100}))
-    (out,) = tokenize.handle(assembled(fine), tok)
+    (out,) = tokenize.handle(assembled(fine), lambda _model: tok)
     assert out.sampling.logit_bias == {49151: 100.0}

@@ -110,7 +110,7 @@ def test_up_then_ask_and_status_from_another_process(tmp_path):
             lines.append(up.stderr.readline())
         key_line = next(line for line in lines if "dev tenant API key" in line)
         assert key_line.split(": ")[-1].strip() == (tmp_path / "dev.key").read_text().strip()
-        assert any("engine: loading the model ... done" in line for line in lines)
+        assert any("engine: loading smollm2-135m ... done" in line for line in lines)
 
         ask = brigade("ask", "Say yes.", "--max-tokens", "3", "--seed", "5", env=env, timeout=240)
         assert ask.returncode == 0, ask.stderr
@@ -122,9 +122,9 @@ def test_up_then_ask_and_status_from_another_process(tmp_path):
         assert status.returncode == 0, status.stderr
         info = json.loads(status.stdout)
         durables = {c["durable"]: c for c in info["consumers"]}
-        assert durables["brigade-engine"]["pending"] == 0
+        assert durables["brigade-engine-smollm2-135m"]["pending"] == 0
         assert durables["brigade-detokenize"]["ack_pending"] == 0
-        assert info["workers"]["brigade-engine"] == 1
+        assert info["workers"]["brigade-engine-smollm2-135m"] == 1
     finally:
         up.send_signal(signal.SIGINT)
         rc = up.wait(timeout=60)

@@ -133,7 +133,7 @@ async def through_pipeline(config, api_key: str, work: list[dict], concurrency: 
         """Stamp the arrival and keep the bytes; decoding waits until the run is over, so one
         event's decode never delays the next one's receipt."""
         now = time.time_ns()
-        _, _, rid, tag = msg.subject.split(".", 3)
+        _, _, rid, tag = msg.subject.split(".")[:4]  # a routed event has its model after
         rec = seen.get(rid)
         if rec is None:
             return

@@ -164,4 +164,31 @@ async def test_health_follows_the_engine_durable(tmp_path, waiting, pending, sta
     async with httpx.AsyncClient(transport=transport, base_url="http://edge") as http:
         r = await http.get("/health")
     assert r.status_code == status
-    assert asked[0] == ("BRIGADE_EVENTS", "brigade-engine")
+    assert asked[0] == ("BRIGADE_EVENTS", f"brigade-engine-{MODEL}")  # the model's own durable
+
+
+async def test_health_is_503_until_every_served_model_has_an_engine(tmp_path):
+    """Two served models: 200 only while the durables of both have a worker pulling; the 503
+    names the model that has none."""
+    config = EdgeConfig(model=f"{MODEL},tiny={MODEL}")
+    edge = Edge(_Bus(RuntimeError("unused")), config, keyring_for_tests(tmp_path))
+    pulling = {f"brigade-engine-{MODEL}": 1}
+
+    async def consumer_info(stream, durable):
+        return _Consumer(pulling.get(durable, 0), 0)
+
+    edge.bus.js.consumer_info = consumer_info
+    transport = httpx.ASGITransport(app=build_app(edge))
+    async with httpx.AsyncClient(transport=transport, base_url="http://edge") as http:
+        r = await http.get("/health")
+        error = _is_openai_error(r, 503, "unavailable")
+        assert (
+            "no engine worker of 'tiny' is pulling from 'brigade-engine-tiny'" in error["message"]
+        )
+        pulling["brigade-engine-tiny"] = 2
+        r = await http.get("/health")
+        assert r.status_code == 200
+        assert (
+            r.json()["detail"]
+            == f"{MODEL}: 1 engine pull request(s) waiting; tiny: 2 engine pull request(s) waiting"
+        )

@@ -1,7 +1,7 @@
 """The edge's metrics from the events it sees: vLLM's names with `brigade:`, every series
 labelled with the model; preemptions and prefix-cache queries / hits from each run's end."""
 
-from schemas.events import RunFinished, TokensGenerated, Usage
+from schemas.events import RunCompleted, RunFinished, TokensGenerated, Usage
 from stages.edge.metrics import EdgeMetrics
 
 
@@ -41,3 +41,24 @@ def test_iteration_tokens_from_each_steps_first_tokens_event():
     assert got['brigade:iteration_tokens_total_count{model_name="m"}'] == 2
     assert got['brigade:iteration_tokens_total_sum{model_name="m"}'] == 515
     assert got['brigade:iteration_tokens_total_bucket{le="8.0",model_name="m"}'] == 1
+
+
+def test_every_series_is_labelled_with_its_runs_model():
+    """Two served models: each has its series from the start; an event counts for the model it
+    names, else for its run's (as the edge resolved it), else for the default."""
+    metrics = EdgeMetrics(["m", "tiny"])
+    names = _samples(metrics)
+    assert 'brigade:num_requests_running{model_name="tiny"}' in names
+    usage = Usage(prompt_tokens=10, completion_tokens=2, cached_tokens=4)
+    metrics.observe_event(
+        RunFinished(request_id="a", finish_reason="stop", usage=usage, model="tiny")
+    )
+    metrics.observe_event(RunCompleted(request_id="a", finish_reason="stop", usage=usage), "tiny")
+    metrics.observe_event(RunFinished(request_id="b", finish_reason="stop", usage=usage))
+    got = _samples(metrics)
+    assert got['brigade:prefix_cache_hits_total{model_name="tiny"}'] == 4
+    assert got['brigade:prefix_cache_hits_total{model_name="m"}'] == 4
+    assert got['brigade:request_success_total{finished_reason="stop",model_name="tiny"}'] == 1
+    assert got['brigade:generation_tokens_total{model_name="tiny"}'] == 2
+    assert got['brigade:generation_tokens_total{model_name="m"}'] == 0
+    assert all('model_name="' in name for name in got)
