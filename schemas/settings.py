@@ -470,7 +470,7 @@ EDGE_MAX_FRAME = declare(Setting[int](
 EDGE_RECONNECT_GRACE_S = declare(Setting[float](
     name="BRIGADE_EDGE_RECONNECT_GRACE_S", kind="float", default=15.0, ge=0,
     help="seconds a dropped run with an idempotency key waits for its client to come back",
-    readers=("edge",),
+    readers=("edge", "sweeper"),
 ))  # fmt: skip
 EDGE_MAX_WAIT_S = declare(Setting[float](
     name="BRIGADE_EDGE_MAX_WAIT_S", kind="float", default=0.5, gt=0,
@@ -486,6 +486,20 @@ EDGE_MODEL_ALIASES = declare(Setting[tuple[str, ...]](
 EDGE_KV_WATERMARK = declare(Setting[float](
     name="BRIGADE_EDGE_KV_WATERMARK", kind="float", default=0.95, gt=0, le=1,
     help="KV cache use, 0..1, above which the edge answers 429 while requests queue",
+    readers=("edge",),
+))  # fmt: skip
+EDGE_DEADLINE_S = declare(Setting[float](
+    name="BRIGADE_EDGE_DEADLINE_S", kind="float", default=300.0, gt=0, le=86_400,
+    help="seconds a request may wait for its first token (for an engine) before it is "
+    "cancelled, unless the request (X-Brigade-Deadline-S, `deadline_s`) or its tenant "
+    "(`deadline_s` in tenants.toml) sets its own",
+    readers=("edge",),
+))  # fmt: skip
+EDGE_KEEPALIVE_S = declare(Setting[float](
+    name="BRIGADE_EDGE_KEEPALIVE_S", kind="float", default=10.0, gt=0,
+    help="seconds of silence before a waiting stream gets a keep-alive (an SSE `: keep-alive` "
+    "comment, a websocket `response.waiting` event); an SSE answer with no first event by then "
+    "starts (200) and waits in the stream",
     readers=("edge",),
 ))  # fmt: skip
 
@@ -515,6 +529,19 @@ SWEEP_GRACE_S = declare(Setting[float](
 SWEEP_MAX_PER_PASS = declare(Setting[int](
     name="BRIGADE_SWEEP_MAX_PER_PASS", kind="int", default=1000, ge=1,
     help="runs the sweeper cancels or ends in one pass at most",
+    readers=("sweeper",),
+))  # fmt: skip
+SWEEP_EDGE_CHECK_S = declare(Setting[float](
+    name="BRIGADE_SWEEP_EDGE_CHECK_S", kind="float", default=0.25, gt=0,
+    help="seconds between the sweeper's checks that each edge worker following runs is still "
+    "connected",
+    readers=("sweeper",),
+))  # fmt: skip
+SWEEP_EDGE_GRACE_S = declare(Setting[float](
+    name="BRIGADE_SWEEP_EDGE_GRACE_S", kind="float", default=1.0, ge=0,
+    help="seconds an edge worker may be unreachable before the sweeper cancels the runs it "
+    "followed (runs with an idempotency key: BRIGADE_EDGE_RECONNECT_GRACE_S later, unless "
+    "another edge follows them by then)",
     readers=("sweeper",),
 ))  # fmt: skip
 

@@ -25,6 +25,7 @@ EVENTS_STREAM = "BRIGADE_EVENTS"  # limits retention, file storage, over llm.ev.
 SUBMIT_STREAM = "BRIGADE_IN"  # work queue over llm.in: a submission is gone once accepted
 DEAD_STREAM = "BRIGADE_DEAD"  # limits retention over llm.dead.>: what no consumer could handle
 DEAD_ROOT = "llm.dead"  # llm.dead.<consumer>
+EDGE_ROOT = "llm.edge"  # core request/reply only, in no stream: who follows runs for clients
 
 IDEMPOTENCY_BUCKET = "brigade_idempotency"
 RUNS_BUCKET = "brigade_runs"
@@ -88,6 +89,16 @@ def dead_letter(consumer: str) -> str:
 
 
 ALL_DEAD = f"{DEAD_ROOT}.>"
+
+
+def edge_ping(edge_worker: str) -> str:
+    """An edge worker answers a request here while it is connected (the sweeper asks)."""
+    return f"{EDGE_ROOT}.ping.{edge_worker}"
+
+
+def run_followers(request_id: str) -> str:
+    """Every edge following a run for a client answers a request here."""
+    return f"{EDGE_ROOT}.follow.{request_id}"
 
 
 def max_deliveries_advisory(stream: str, durable: str) -> str:

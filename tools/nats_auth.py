@@ -116,17 +116,24 @@ USERS = (
         (*events("billed"), *_buckets(subjects.IDEMPOTENCY_BUCKET, subjects.RATES_BUCKET)),
     ),
     User("archiver", ()),
-    User("sweeper", _buckets(subjects.RUNS_BUCKET)),
+    User(
+        "sweeper",
+        # it cancels and ends runs; it pings the edges that follow runs (orphans.py)
+        (*events("cancel"), f"{subjects.EDGE_ROOT}.>", *_buckets(subjects.RUNS_BUCKET)),
+        tuple(events("accepted", "completed", "cancelled", "failed")),
+    ),
     User("ingest", tuple(events("doc_added", "doc_rejected", "doc_deleted", "collection_deleted"))),
     User(
         "edge",
-        # submits and cancels; it follows every run's events live; its run-state projector
+        # submits and cancels; it follows every run's events live; its run-state projector; it
+        # answers the sweeper's pings (stages/edge/follow.py)
         (
             subjects.SUBMIT,
             *events("cancel"),
             *_buckets(*EVERY_BUCKET),
+            "_INBOX.>",
         ),
-        (subjects.ALL_EVENTS,),
+        (subjects.ALL_EVENTS, f"{subjects.EDGE_ROOT}.>"),
     ),
     # operators' tools (status, keys, sql, ask, bench, replay) and `brigade up` against this server
     User("admin", (">",), (">",), runtime=False),

@@ -5,6 +5,7 @@ liveness and metrics, over one `Edge` (core.py), every error in OpenAI's shape (
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -109,6 +110,10 @@ class EdgeService(Service):
         self.edge = Edge(bus, config, keys or KeyRing.from_env())
         self.config = config
 
+    def health(self) -> dict[str, Any]:
+        """The heartbeat names the id this worker puts on the runs it submits (follow.py)."""
+        return {"edge_worker": self.edge.edge_worker}
+
     async def run(
         self,
         stopping: anyio.Event,
@@ -161,9 +166,13 @@ class EdgeService(Service):
                 raise RuntimeError(f"edge could not listen on {config.host}:{config.port}")
             await projector_ready.wait()
             task_status.started()
-            await stopping.wait()
-            server.should_exit = True
-            await server_done.wait()  # the runtime cuts what is still streaming after drain_s
+            try:
+                await stopping.wait()
+                server.should_exit = True
+                await server_done.wait()  # the runtime cuts what is still streaming after drain_s
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await edge.stop()
             tg.cancel_scope.cancel()
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import anyio
 import anyio.abc
 import msgspec
+from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 from starlette.requests import HTTPConnection
 
@@ -36,11 +37,13 @@ from schemas.events import (
 )
 from stages import gateway
 from stages.edge.admission import AdmissionConfig, AdmissionGate
+from stages.edge.deadline import deadline_for
 from stages.edge.errors import BUS_RETRY_AFTER_S, RequestError
+from stages.edge.follow import answer_edge_pings, new_edge_worker
 from stages.edge.keys import Caller, KeyRing
 from stages.edge.logprobs import TokenEvents
 from stages.edge.metrics import EdgeMetrics
-from stages.edge.runwatch import RunWatch
+from stages.edge.runwatch import RunWatch, Waiting
 from stages.eventlog.runstate import RunStates
 from stages.runtime.bus import MSG_ID_HEADER, Bus, publish_submit
 from stages.runtime.failures import StageError, bus_unavailable
@@ -65,6 +68,8 @@ class EdgeConfig:
     idle_timeout_s: float = 300.0  # no event from the pipeline for this long -> 504
     # A client that drops a run with an idempotency key may come back for it: its cancel waits.
     reconnect_grace_s: float = 15.0
+    deadline_s: float = 300.0  # a request's wait for its first token unless it or its tenant say
+    keepalive_s: float = 10.0  # silence before a waiting stream's keep-alive (deadline.py)
     admission: AdmissionConfig = AdmissionConfig()
     # BRIGADE_MODEL: the served models, `[id=]artifact`, comma-separated, the default first
     model: str = settings.MODEL.default
@@ -98,6 +103,8 @@ class EdgeConfig:
             body_timeout_s=found[settings.EDGE_BODY_TIMEOUT_S],
             max_frame_bytes=found[settings.EDGE_MAX_FRAME],
             reconnect_grace_s=found[settings.EDGE_RECONNECT_GRACE_S],
+            deadline_s=found[settings.EDGE_DEADLINE_S],
+            keepalive_s=found[settings.EDGE_KEEPALIVE_S],
             model=found[settings.MODEL],
             model_aliases=found[settings.EDGE_MODEL_ALIASES],
             max_model_len=found[settings.MAX_MODEL_LEN],
@@ -136,10 +143,13 @@ class Edge:
         self.background: anyio.abc.TaskGroup | None = None  # delayed cancels (set by serve)
         self.idempotency: IdempotencyStore | None = None
         self.runs: RunStates | None = None
+        self.edge_worker = new_edge_worker()  # named on every run it submits (follow.py)
+        self.pings: Subscription | None = None
 
     async def start(self) -> None:
         await self.bus.ensure_streams()
         await self.bus.ensure_kv()
+        self.pings = await answer_edge_pings(self.bus.nc, self.edge_worker)  # until stop()
         self.idempotency = IdempotencyStore(await self.bus.kv(subjects.IDEMPOTENCY_BUCKET))
         self.runs = RunStates(await self.bus.kv(subjects.RUNS_BUCKET))
         for model in self.config.served:
@@ -267,7 +277,11 @@ class Edge:
     # ---- runs ----
 
     def _watch(
-        self, request_id: str, starting_after: int | None, tokens: TokenEvents | None = None
+        self,
+        request_id: str,
+        starting_after: int | None,
+        tokens: TokenEvents | None = None,
+        deadline_s: float | None = None,
     ) -> RunWatch:
         def observe(event: AnyEvent, received_ns: int) -> None:
             self._observe(event, received_ns)
@@ -280,6 +294,8 @@ class Edge:
             request_id,
             starting_after=starting_after,
             idle_timeout_s=self.config.idle_timeout_s,
+            deadline_s=deadline_s,
+            keepalive_s=self.config.keepalive_s,
             on_event=observe,
         )
 
@@ -312,7 +328,9 @@ class Edge:
         except StageError as err:
             raise RequestError("invalid_request", err.message, err.field) from None
         request_id = submit.request_id or new_request_id()
-        submit = msgspec.structs.replace(submit, request_id=request_id)
+        deadline = deadline_for(submit.deadline_s, caller.deadline_s, self.config.deadline_s)
+        submit = msgspec.structs.replace(submit, request_id=request_id, deadline_s=deadline,
+                                         edge_worker=self.edge_worker)  # fmt: skip
         await self.check_fits(submit)
         if admit:
             self.gate.admit(request_id, prompt_tokens(submit), caller.priority)
@@ -411,11 +429,11 @@ class Edge:
                 self.gate.release(request_id)
                 if tokens is not None:
                     tokens.request_id = claim.request_id
-                watch = self._watch(claim.request_id, starting_after=-1, tokens=tokens)
+                watch = self._watch(claim.request_id, -1, tokens, submit.deadline_s)
                 watch.idempotency_key = submit.idempotency_key
                 await watch.start()
                 return watch
-        watch = self._watch(request_id, starting_after=None, tokens=tokens)
+        watch = self._watch(request_id, None, tokens, submit.deadline_s)
         watch.idempotency_key = submit.idempotency_key
         await watch.start()
         self._bus_up()
@@ -448,6 +466,13 @@ class Edge:
         with anyio.CancelScope(shield=True):
             await self.bus.publish(event)
 
+    async def stop(self) -> None:
+        """Answer no more pings: the sweeper cancels what this edge's clients left behind."""
+        if self.pings is not None:
+            pings, self.pings = self.pings, None
+            with contextlib.suppress(Exception):  # a closed connection ended it already
+                await pings.unsubscribe()
+
     async def left(self, caller: Caller, watch: RunWatch, reason: str = "disconnect") -> None:
         """The client left before the run's end: cancel it, after a grace period when it holds
         an idempotency key (a retry with the key re-attaches and keeps it alive)."""
@@ -468,15 +493,21 @@ class Edge:
 
         self.background.start_soon(cancel_unless_followed)
 
-    async def deltas(self, watch: RunWatch) -> AsyncIterator[TextGenerated]:
-        """The run's deltas with the edge's latency metrics (TTFT, ITL, e2e)."""
+    async def deltas(
+        self, watch: RunWatch, keepalive: bool = False
+    ) -> AsyncIterator[TextGenerated | Waiting]:
+        """The run's deltas with the edge's latency metrics (TTFT, ITL, e2e); with `keepalive`,
+        a `Waiting` too after each BRIGADE_EDGE_KEEPALIVE_S of silence."""
         started = last = time.monotonic()
         first = True
         series = self.metrics.of(self.run_models.get(watch.request_id))
         series.open_streams.inc()
         self.following[watch.request_id] += 1
         try:
-            async for delta in watch.deltas():
+            async for delta in watch.events() if keepalive else watch.deltas():
+                if isinstance(delta, Waiting):
+                    yield delta
+                    continue
                 now = time.monotonic()
                 (series.ttft if first else series.itl).observe(now - last)
                 first, last = False, now

@@ -24,6 +24,7 @@ class Caller:
     api_key: str
     allowed_models: tuple[str, ...] = ()
     priority: str = "interactive"
+    deadline_s: float | None = None  # the tenant's wait for a first token (None: the edge's)
 
     def __repr__(self) -> str:  # never print the key
         return f"Caller(tenant={self.tenant!r}, allowed_models={self.allowed_models!r})"
@@ -73,4 +74,5 @@ class KeyRing:
             api_key=api_key,
             allowed_models=tuple(tenant.allowed_models),
             priority=tenant.priority,
+            deadline_s=tenant.deadline_s,
         )

@@ -263,6 +263,11 @@ PARAMS: tuple[Param, ...] = (
         "searched, reranked and packed into the prompt as quoted data",
         (CHAT,),
     ),
+    _honoured(
+        "deadline_s",
+        "seconds (up to 86400) the request may wait for its first token, for an engine, before "
+        "it is cancelled; the X-Brigade-Deadline-S header wins (docs/api.md)",
+    ),
 )
 BY_ENDPOINT: dict[str, dict[str, Param]] = {
     e: {p.name: p for p in PARAMS if e in p.endpoints} for e in BOTH

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from schemas.events import RequestFailed, RunCancelled, RunCompleted, Submit, TextGenerated
 from stages import gateway
+from stages.edge import deadline
 from stages.edge.core import Edge
 from stages.edge.errors import (
     RequestError,
@@ -51,11 +52,12 @@ from stages.edge.openai_schema import (
     ranks_candidates,
     to_submits,
 )
-from stages.edge.runwatch import RunWatch
+from stages.edge.runwatch import RunWatch, Waiting
 from stages.edge.tool_calls import ToolCallStream, parse
 from stages.runtime.failures import StageError
 
 RUN_STATE_HEADER = "X-Brigade-Run-State"  # completed | cancelled (finish_reason reads "stop")
+CANCELLED = "the run was cancelled and will not run or be billed further"
 
 
 def request_id_of(request: Request) -> str:
@@ -146,6 +148,9 @@ class OpenAIRoutes:
         extra: dict[str, Any] = {"request_id": rid, "model": model}
         if key := request.headers.get("idempotency-key"):
             extra["idempotency_key"] = key
+        own = deadline.requested(request.headers.get(deadline.DEADLINE_HEADER), body.deadline_s)
+        if own is not None:
+            extra["deadline_s"] = own
         submits = to_submits(body, **extra)
         if len(submits) > 1:  # a bad prompt is refused before any of the request's runs starts
             for submit in submits:
@@ -212,7 +217,7 @@ class OpenAIRoutes:
                         texts[run.index].append(delta.text)
                         await run.logprobs_of(delta)
                 except TimeoutError as err:
-                    timeout = RequestError("timeout", str(err))
+                    timeout = RequestError("timeout", f"{err}; {CANCELLED}")
 
             tg.start_soon(on_disconnect)
             try:
@@ -232,6 +237,7 @@ class OpenAIRoutes:
         if timeout is not None:
             response = error_response(timeout, rid)
             response.headers[RUN_STATE_HEADER] = "cancelled"  # it will not run or bill further
+            response.headers[deadline.DEADLINE_HEADER] = _deadline_of(runs)
             return response
         terms = [run.watch.terminal for run in runs]
         if any(term is None for term in terms):
@@ -247,7 +253,9 @@ class OpenAIRoutes:
                                          [r.prompt_index for r in runs]))  # fmt: skip
         states = {_state(t) for t in terms}
         state = "cancelled" if "cancelled" in states else "completed"
-        return JSONResponse(body, headers={"X-Request-Id": rid, RUN_STATE_HEADER: state})
+        headers = {"X-Request-Id": rid, RUN_STATE_HEADER: state,
+                   deadline.DEADLINE_HEADER: _deadline_of(runs)}  # fmt: skip
+        return JSONResponse(body, headers=headers)
 
     def _choice(self, run: _Run, text: str) -> Choice:
         term = run.watch.terminal
@@ -265,19 +273,27 @@ class OpenAIRoutes:
     async def _stream(
         self, caller: Caller, rid: str, model: str, runs: list[_Run], include_usage: bool
     ) -> Response:
-        firsts: list[TextGenerated | None] = []
-        deltas = [self.edge.deltas(run.watch) for run in runs]
+        firsts: list[TextGenerated | Waiting | None] = []
+        deltas = [self.edge.deltas(run.watch, keepalive=True) for run in runs]
+        closed = False
 
-        async def close_all() -> None:
+        async def close_all(reason: str = "disconnect") -> None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
             with anyio.CancelScope(shield=True):
                 for run, stream in zip(runs, deltas, strict=True):
-                    await self.edge.left(caller, run.watch)
+                    await self.edge.left(caller, run.watch, reason)
                     await stream.aclose()
                     await run.watch.close()
 
-        try:
+        try:  # each run's first delta or end, unless a keep-alive comes first: then answer 200
             for stream in deltas:
                 firsts.append(await anext(stream, None))
+                if isinstance(firsts[-1], Waiting):
+                    break
+            firsts += [None] * (len(runs) - len(firsts))
         except TimeoutError as err:
             with anyio.CancelScope(shield=True):
                 for stream in deltas:
@@ -295,7 +311,7 @@ class OpenAIRoutes:
         send, receive = anyio.create_memory_object_stream[bytes](max_buffer_size=64)
         errors: list[Exception] = []  # a run's bus error ends the whole answer
 
-        async def follow(run: _Run, first: TextGenerated | None, stream, out) -> None:
+        async def follow(run: _Run, first: TextGenerated | Waiting | None, stream, out) -> None:
             async with out:
                 try:
                     async for piece in self._pieces(run, first, stream, rid, created, model):
@@ -323,44 +339,55 @@ class OpenAIRoutes:
                     yield sse(usage_chunk(chat, rid, created, model, usage))
                 yield b"data: [DONE]\n\n"
             except TimeoutError as err:
-                yield sse(error_body(bus_error(err) or RequestError("timeout", str(err))))
+                found = bus_error(err)
+                if found is None:  # cancelled (or left to its reconnect grace) before it is said
+                    found, _ = self._timed_out(runs, err)
+                    await close_all("timeout")
+                yield sse(error_body(found))  # and no [DONE], as vLLM ends a failed stream
             except nats.errors.Error as err:
                 yield sse(error_body(bus_error(err) or as_request_error(err)))
             finally:
                 await close_all()
 
-        headers = {"X-Request-Id": rid, "Cache-Control": "no-cache"}
+        headers = {"X-Request-Id": rid, "Cache-Control": "no-cache",
+                   deadline.DEADLINE_HEADER: _deadline_of(runs)}  # fmt: skip
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     async def _first_token_timed_out(
         self, caller: Caller, rid: str, runs: list[_Run], err: TimeoutError
     ) -> Response:
-        """No event within the edge's idle timeout before the stream's first token. The 504
-        says what happens next: runs with an idempotency key are resumable (they keep running
-        for the reconnect grace; a retry with the key or GET /v1/runs/{id}/stream re-attaches,
-        else they are cancelled then), any other run is cancelled now, so it never runs or
-        bills after its client was told it timed out."""
-        grace = self.edge.config.reconnect_grace_s
-        resumable = all(r.watch.idempotency_key is not None for r in runs) and grace > 0
+        """No first token within the deadline (or no event within the idle timeout) before the
+        stream's answer started: a 504 that says what happens next (`_timed_out`)."""
         with anyio.CancelScope(shield=True):
             for run in runs:
                 await self.edge.left(caller, run.watch, "timeout")  # now, or after the grace
                 await run.watch.close()
+        found, state = self._timed_out(runs, err)
+        response = error_response(found, rid)
+        response.headers[RUN_STATE_HEADER] = state
+        response.headers[deadline.DEADLINE_HEADER] = _deadline_of(runs)
+        return response
+
+    def _timed_out(self, runs: list[_Run], err: TimeoutError) -> tuple[RequestError, str]:
+        """The timeout's error and the runs' state: runs with an idempotency key are resumable
+        (`running`: they keep running for the reconnect grace; a retry with the key or GET
+        /v1/runs/{id}/stream re-attaches, else they are cancelled then), any other run is
+        `cancelled` now, so it never runs or bills after its client was told it timed out."""
+        grace = self.edge.config.reconnect_grace_s
+        resumable = all(r.watch.idempotency_key is not None for r in runs) and grace > 0
         ids = ", ".join(r.watch.request_id for r in runs)
         if resumable:
             message = (f"{err}; the run is still running: resume it with GET /v1/runs/{ids}"
                        f"/stream or retry with the same idempotency key within {grace:g} s")  # fmt: skip
         else:
-            message = f"{err}; the run was cancelled and will not run or be billed further"
-        response = error_response(RequestError("timeout", message), rid)
-        response.headers[RUN_STATE_HEADER] = "running" if resumable else "cancelled"
-        return response
+            message = f"{err}; {CANCELLED}"
+        return RequestError("timeout", message), "running" if resumable else "cancelled"
 
     async def _pieces(
         self,
         run: _Run,
-        first: TextGenerated | None,
-        stream: AsyncIterator[TextGenerated],
+        first: TextGenerated | Waiting | None,
+        stream: AsyncIterator[TextGenerated | Waiting],
         rid: str,
         created: int,
         model: str,
@@ -389,10 +416,10 @@ class OpenAIRoutes:
         if run.chat:
             role = {"role": "assistant", "content": ""}
             yield sse(chat_chunk(rid, created, model, role, None, None, index))
-        if first is not None:
-            async for piece in pieces(first):
-                yield piece
-        async for delta in stream:
+        async for delta in _chain(first, stream):
+            if isinstance(delta, Waiting):
+                yield deadline.SSE_KEEPALIVE
+                continue
             async for piece in pieces(delta):
                 yield piece
         term = run.watch.terminal
@@ -406,6 +433,20 @@ class OpenAIRoutes:
         if echo := run.take_echo():  # a run that ended before any delta
             yield chunk(echo, None, None)
         yield chunk("", reason, None)
+
+
+async def _chain(
+    first: TextGenerated | Waiting | None, rest: AsyncIterator[TextGenerated | Waiting]
+) -> AsyncIterator[TextGenerated | Waiting]:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
+
+
+def _deadline_of(runs: list[_Run]) -> str:
+    """The runs' wait for a first token, as X-Brigade-Deadline-S says it."""
+    return f"{max(r.watch.deadline_s or 0.0 for r in runs):g}"
 
 
 def _check_submit(submit: Submit) -> None:

@@ -19,6 +19,7 @@ from schemas.bounded import JsonBoundsError, decode_bounded
 from schemas.events import (
     MAX_LOGIT_BIAS,
     VOCAB_CEILING,
+    DeadlineS,
     Retrieval,
     RunCancelled,
     RunCompleted,
@@ -100,6 +101,8 @@ class _Common(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     guided_regex: GuidedRegex = None
     guided_choice: GuidedChoice = None
     guided_grammar: GuidedGrammar = None
+    # Brigade's extension: seconds to wait for a first token (X-Brigade-Deadline-S wins)
+    deadline_s: DeadlineS | None = None
 
 
 class ChatCompletionRequest(_Common, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -3,7 +3,8 @@
 Client: `response.create` {response: {messages | prompt, model, sampling..., idempotency_key}},
 `response.cancel` {request_id?}, `response.resume` {request_id, starting_after} (or, on
 connect, /v1/stream?request_id=...&starting_after=...).
-Server: `response.created`, `response.output_text.delta`, `response.done`, `error`.
+Server: `response.created`, `response.waiting` (a keep-alive while it waits),
+`response.output_text.delta`, `response.done`, `error`.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from schemas.events import RequestFailed, RunCancelled, RunCompleted, Submit, Us
 from schemas.subjects import REQUEST_ID_PATTERN
 from stages.edge.errors import RequestError
 from stages.edge.openai_schema import usage_body
+from stages.edge.runwatch import Waiting
 
 # Fields a client may set in `response`; identity (request_id, api_key) comes from the edge.
 # Logprobs (of the output or the prompt) are served on the HTTP routes only: the delta events
 # here carry text.
 LOGPROB_FIELDS = ("logprobs", "prompt_logprobs")
 CLIENT_FIELDS = frozenset(Submit.__struct_fields__) - {
-    "request_id", "api_key", "priority", *LOGPROB_FIELDS
+    "request_id", "api_key", "priority", "edge_worker", *LOGPROB_FIELDS
 }  # fmt: skip
 
 
@@ -131,6 +133,16 @@ def done(request_id: str, terminal: RunCompleted | RunCancelled | RequestFailed)
                  "error": {"code": terminal.code, "message": terminal.message, "field": terminal.field}}  # fmt: skip
     body["usage"] = usage_body(usage)
     return _encoder.encode(body)
+
+
+def waiting(request_id: str, wait: Waiting) -> bytes:
+    """The keep-alive of a response still waiting: for its first token (`started` false: for
+    an engine, until `deadline_s` after it was created), or for text an engine is making."""
+    return _encoder.encode(
+        {"type": "response.waiting", "request_id": request_id,
+         "waited_s": round(wait.waited_s, 3), "deadline_s": wait.deadline_s,
+         "started": wait.started}
+    )  # fmt: skip
 
 
 def error(err: RequestError, request_id: str | None = None, event_id: str | None = None) -> bytes:

@@ -20,8 +20,10 @@ from schemas.events import decode_event
 from schemas.subjects import REQUEST_ID_PATTERN
 from stages.edge import realtime
 from stages.edge.core import Edge
+from stages.edge.deadline import SSE_KEEPALIVE
 from stages.edge.errors import RequestError, bus_error, error_response
 from stages.edge.openai_schema import usage_body
+from stages.edge.runwatch import Waiting
 
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
@@ -98,7 +100,10 @@ class RunRoutes:
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                async for delta in edge.deltas(watch):
+                async for delta in edge.deltas(watch, keepalive=True):
+                    if isinstance(delta, Waiting):
+                        yield SSE_KEEPALIVE
+                        continue
                     yield b"data: " + realtime.delta(rid, delta.seq, delta.text) + b"\n\n"
                 if watch.terminal is not None:
                     yield b"data: " + realtime.done(rid, watch.terminal) + b"\n\n"

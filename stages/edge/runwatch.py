@@ -5,12 +5,16 @@ consumer over the log from the start (then live), skipping seqs <= `starting_aft
 slow-consumer drop, a worker racing the terminal event) are filled from the log; every ordered
 consumer is unsubscribed when done, so nothing is left behind per request. While the bus is away
 (an election, a server restart) it keeps waiting, within its idle timeout, and asks again.
+Until an engine takes the run (its first `tokens`), the wait is bounded by the run's deadline
+instead (`DeadlinePassed`), and `events()` says every `keepalive_s` of silence that it waits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import anyio
 import msgspec
@@ -25,9 +29,12 @@ from schemas.events import (
     RequestFailed,
     RunCancelled,
     RunCompleted,
+    RunFinished,
     TextGenerated,
+    TokensGenerated,
     decode_event,
 )
+from stages.edge.follow import answer_run_follows
 from stages.edge.reorder import ReorderBuffer
 from stages.runtime.failures import bus_unavailable
 
@@ -39,6 +46,20 @@ class DeltasMissing(TimeoutError):
     """The run ended but some of its text deltas never reached the log in time."""
 
 
+class DeadlinePassed(TimeoutError):
+    """No engine took the run (no `tokens` event) within its deadline."""
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """`keepalive_s` passed with nothing to send: the run still waits (`started`: an engine has
+    it, its text has not come yet)."""
+
+    waited_s: float  # since the watch started
+    deadline_s: float | None  # the run's wait for an engine, from the same start
+    started: bool
+
+
 class RunWatch:
     def __init__(
         self,
@@ -48,6 +69,8 @@ class RunWatch:
         *,
         starting_after: int | None = None,
         idle_timeout_s: float = 300.0,
+        deadline_s: float | None = None,
+        keepalive_s: float | None = None,
         gap_timeout_s: float = 2.0,
         poll_s: float = 5.0,
         on_event: Callable[[AnyEvent, int], None] | None = None,
@@ -55,7 +78,10 @@ class RunWatch:
         self.nc, self.js, self.request_id = nc, js, request_id
         start = 0 if starting_after is None else starting_after + 1
         self.buffer = ReorderBuffer[TextGenerated](start=start)
-        self.idle_timeout_s = idle_timeout_s
+        self.idle_timeout_s = idle_timeout_s  # once an engine has the run (or without deadline)
+        self.deadline_s = deadline_s  # until an engine takes it (its first `tokens`)
+        self.keepalive_s = keepalive_s  # events() yields Waiting after this much silence
+        self.started = False  # an engine took the run: a `tokens` (or later) event came
         self.gap_timeout_s = gap_timeout_s
         self.poll_s = poll_s  # live and silent this long: look for the end in the log
         self.on_event = on_event
@@ -64,9 +90,13 @@ class RunWatch:
         self.num_gap_fills = 0
         self._replay = starting_after is not None
         self._sub = None
+        self._follow = None  # answers "is anyone following this run?" (stages/edge/follow.py)
+        self._started_at = time.monotonic()
 
     async def start(self) -> None:
-        """Subscribe; call before submitting, so no event can be missed."""
+        """Subscribe; call before submitting, so no event can be missed. The deadline runs
+        from here."""
+        self._started_at = time.monotonic()
         subject = subjects.request_events(self.request_id)
         if self._replay:
             self._sub = await self.js.subscribe(
@@ -74,8 +104,13 @@ class RunWatch:
             )
         else:
             self._sub = await self.nc.subscribe(subject)
+        self._follow = await answer_run_follows(self.nc, self.request_id)  # someone follows it
 
     async def close(self) -> None:
+        if self._follow is not None:
+            follow, self._follow = self._follow, None
+            with contextlib.suppress(nats.errors.Error):  # a closed connection ended it already
+                await follow.unsubscribe()
         if self._sub is not None:
             sub, self._sub = self._sub, None
             await (_drop_consumer(self.js, sub) if self._replay else sub.unsubscribe())
@@ -94,6 +129,8 @@ class RunWatch:
             return []  # not ours to judge: the log keeps it, the stage that owns it fails it
         if self.on_event is not None:
             self.on_event(event, time.monotonic_ns())
+        if isinstance(event, TokensGenerated | RunFinished | TextGenerated):
+            self.started = True
         if isinstance(event, TextGenerated):
             return self.buffer.push(event.seq, event)
         if isinstance(event, Terminal) and self.terminal is None:
@@ -111,41 +148,87 @@ class RunWatch:
 
     async def deltas(self) -> AsyncIterator[TextGenerated]:
         """Text deltas in order; afterwards `self.terminal` holds the run's end."""
+        async for item in self.events():
+            if isinstance(item, TextGenerated):
+                yield item
+
+    def _waits_for_engine(self) -> bool:
+        """The deadline, not the idle timeout, bounds the wait: no engine has the run yet."""
+        return self.deadline_s is not None and not self.started and self.terminal is None
+
+    async def events(self) -> AsyncIterator[TextGenerated | Waiting]:
+        """Text deltas in order, and a `Waiting` after each `keepalive_s` with nothing sent;
+        raises DeadlinePassed when no engine took the run within its deadline, TimeoutError
+        when an engine's run shows no event for the idle timeout."""
         assert self._sub is not None, "call start() before deltas()"
-        deadline: float | None = None
+        gap_deadline: float | None = None
         next_fill = 0.0
-        heard = time.monotonic()
+        heard = quiet = time.monotonic()  # quiet: since the last delta or keep-alive
+        next_poll = heard + self.poll_s
         while not self._done():
+            now = time.monotonic()
             if self.terminal is not None:
-                now = time.monotonic()
-                if deadline is None:  # give racing deltas a moment to arrive live first
-                    deadline, next_fill = now + self.gap_timeout_s, now + 0.2
+                if gap_deadline is None:  # give racing deltas a moment to arrive live first
+                    gap_deadline, next_fill = now + self.gap_timeout_s, now + 0.2
                 if now >= next_fill:
                     next_fill = now + 0.5
                     for delta in await self._fill_from_log_if_up():
                         yield delta
                     if self._done():
                         break
-                if now > deadline:
+                if now > gap_deadline:
                     missing = self.buffer.missing(self._last_seq())
                     raise DeltasMissing(
                         f"run {self.request_id}: text seqs {missing[:8]} never reached the log "
                         f"within {self.gap_timeout_s}s of its end"
                     )
-            timeout = 0.05 if self.terminal is not None else min(self.poll_s, self.idle_timeout_s)
+            elif self._waits_for_engine() and now - self._started_at >= self.deadline_s:
+                raise DeadlinePassed(
+                    f"run {self.request_id}: no engine started it within its deadline of "
+                    f"{self.deadline_s:g} s"
+                )
+            if (
+                self.keepalive_s is not None
+                and self.terminal is None
+                and now - quiet >= self.keepalive_s
+            ):
+                quiet = now
+                yield Waiting(now - self._started_at, self.deadline_s, self.started)
+            timeout = self._timeout(now, heard, quiet, next_poll)
             try:
                 msg = await self._sub.next_msg(timeout=timeout)
             except nats.errors.TimeoutError:
-                if self.terminal is None and not self._replay:
+                now = time.monotonic()
+                if self.terminal is None and not self._replay and now >= next_poll:
+                    next_poll = now + self.poll_s
                     await self._end_from_log()  # a dropped live message: the log has it
-                if self.terminal is None and time.monotonic() - heard > self.idle_timeout_s:
+                if (
+                    self.terminal is None
+                    and not self._waits_for_engine()
+                    and time.monotonic() - heard > self.idle_timeout_s
+                ):
                     raise TimeoutError(
                         f"run {self.request_id}: no event for {self.idle_timeout_s}s"
                     ) from None
                 continue
             heard = time.monotonic()
             for delta in self._accept(msg.data):
+                quiet = heard
                 yield delta
+
+    def _timeout(self, now: float, heard: float, quiet: float, next_poll: float) -> float:
+        """How long the next wait for a message may take: until the log is polled, the next
+        keep-alive, the deadline or the idle timeout, whichever is first."""
+        if self.terminal is not None:
+            return 0.05
+        ends = [next_poll]
+        if self._waits_for_engine():
+            ends.append(self._started_at + self.deadline_s)
+        else:
+            ends.append(heard + self.idle_timeout_s + 0.01)
+        if self.keepalive_s is not None:
+            ends.append(quiet + self.keepalive_s)
+        return max(0.01, min(ends) - now)
 
     async def _end_from_log(self) -> None:
         for tag in TERMINAL_TAGS:

@@ -1,7 +1,9 @@
 """The websocket `/v1/stream`: one session per connection, at most one response in flight.
 
 A bad frame gets an `error` event and the session stays open; a frame over the limit closes the
-socket (1009). Leaving with a response in flight cancels it (reason `disconnect`).
+socket (1009). Leaving with a response in flight cancels it (reason `disconnect`). A response
+waiting for its first token gets `response.waiting` every BRIGADE_EDGE_KEEPALIVE_S; past its
+deadline it is cancelled and the client gets an `error` (code `timeout`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from stages.edge.core import Edge, new_request_id
 from stages.edge.errors import RequestError, as_request_error, bus_error, error_response
 from stages.edge.keys import Caller
 from stages.edge.realtime import ResponseCancel, ResponseCreate, ResponseResume
-from stages.edge.runwatch import RunWatch
+from stages.edge.runwatch import RunWatch, Waiting
 
 MESSAGE_TOO_BIG = 1009
+CANCELLED = "the response was cancelled and will not run or be billed further"
 
 
 class Session:
@@ -110,7 +113,10 @@ class Session:
     async def _stream(self, watch: RunWatch) -> None:
         rid = watch.request_id
         try:
-            async for delta in self.edge.deltas(watch):
+            async for delta in self.edge.deltas(watch, keepalive=True):
+                if isinstance(delta, Waiting):  # no first token yet: still waiting, and until when
+                    await self.ws.send_text(realtime.waiting(rid, delta).decode())
+                    continue
                 await self.ws.send_text(realtime.delta(rid, delta.seq, delta.text).decode())
             if watch.terminal is not None:
                 await self.ws.send_text(realtime.done(rid, watch.terminal).decode())
@@ -120,7 +126,7 @@ class Session:
         except TimeoutError as err:
             await self.edge.cancel(self.caller, rid, "timeout")
             with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-                await self.send_error(RequestError("timeout", str(err)))
+                await self.send_error(RequestError("timeout", f"{err}; {CANCELLED}"))
         except (WebSocketDisconnect, RuntimeError):
             await self.edge.left(self.caller, watch)  # the client left while we sent
         finally:

@@ -10,6 +10,12 @@ terminal `cancelled` event itself (reason `timeout`, stage `sweeper`), which the
 and which releases the run's rate-limit reservation. Both carry the usual msg ids
 (`<id>:cancel`, `<id>:cancelled`), so sweepers racing, or a sweep after a restart, store them
 once; at most `max_per_pass` runs are ended per pass.
+
+A run no engine has taken yet is left alone until its own deadline (`deadline_s` on its
+`accepted` event: how long its client said it would wait) if that is later. A run whose cancel
+is stored but that nothing ended `grace_s` later (cancelled while it waited for an engine, with
+no engine running) is ended the same way. Beside the passes, orphans.py cancels the runs of an
+edge worker that is gone.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from nats.js.kv import KeyValue
 from schemas import settings, subjects
 from schemas.bounded import decode_bounded
 from schemas.events import TERMINAL_EVENTS, CancelRequested, RunCancelled, decode_event
+from stages.eventlog.orphans import EdgeWatch, Run, read_accepted
 from stages.eventlog.runstate import TERMINAL, RunRecord
 from stages.runtime.bus import Bus
 from stages.runtime.service import Service
@@ -45,6 +52,9 @@ class SweeperConfig:
     engine_s: float = 1800.0  # tokenized, streaming: no `tokens` event for this long
     grace_s: float = 60.0  # after the cancel, for the engine to end the run itself
     max_per_pass: int = 1000
+    edge_check_s: float = 0.25  # between pings of the edges that follow runs (orphans.py)
+    edge_grace_s: float = 1.0  # an edge unreachable this long is gone
+    reconnect_grace_s: float = 15.0  # a gone edge's keyed run waits this long for its client
 
     def __post_init__(self) -> None:
         if min(self.period_s, self.queued_s, self.engine_s) <= 0 or self.grace_s < 0:
@@ -54,6 +64,11 @@ class SweeperConfig:
             )
         if self.max_per_pass < 1:
             raise ValueError(f"sweeper: max_per_pass={self.max_per_pass} must be >= 1")
+        if self.edge_check_s <= 0 or min(self.edge_grace_s, self.reconnect_grace_s) < 0:
+            raise ValueError(
+                f"sweeper: edge_check_s={self.edge_check_s} must be > 0, edge_grace_s="
+                f"{self.edge_grace_s} and reconnect_grace_s={self.reconnect_grace_s} >= 0"
+            )
 
     @classmethod
     def from_env(cls) -> SweeperConfig:
@@ -65,6 +80,9 @@ class SweeperConfig:
             engine_s=found[settings.SWEEP_ENGINE_S],
             grace_s=found[settings.SWEEP_GRACE_S],
             max_per_pass=found[settings.SWEEP_MAX_PER_PASS],
+            edge_check_s=found[settings.SWEEP_EDGE_CHECK_S],
+            edge_grace_s=found[settings.SWEEP_EDGE_GRACE_S],
+            reconnect_grace_s=found[settings.EDGE_RECONNECT_GRACE_S],
         )
 
     def deadline_s(self, record: RunRecord) -> float:
@@ -84,6 +102,8 @@ class Sweeper(Service):
         self.config = config
         self.clock = clock
         self.stats = SweepStats()
+        self.edges = EdgeWatch(bus, config.edge_check_s, config.edge_grace_s,
+                               config.reconnect_grace_s)  # fmt: skip
 
     async def run(
         self,
@@ -94,14 +114,16 @@ class Sweeper(Service):
         await self.bus.ensure_streams()
         await self.bus.ensure_kv()
         runs = await self.bus.kv(subjects.RUNS_BUCKET)
-        task_status.started()
-        while not stopping.is_set():
-            try:
-                await self.sweep(runs)
-            except Exception:  # noqa: BLE001 - a failed pass is retried at the next period
-                log.exception("sweep failed; retrying in %.0f s", self.config.period_s)
-            with anyio.move_on_after(self.config.period_s):
-                await stopping.wait()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.edges.run, stopping)
+            task_status.started()
+            while not stopping.is_set():
+                try:
+                    await self.sweep(runs)
+                except Exception:  # noqa: BLE001 - a failed pass is retried at the next period
+                    log.exception("sweep failed; retrying in %.0f s", self.config.period_s)
+                with anyio.move_on_after(self.config.period_s):
+                    await stopping.wait()
 
     async def sweep(self, runs: KeyValue) -> int:
         """One pass; returns how many runs it acted on."""
@@ -111,6 +133,7 @@ class Sweeper(Service):
                 log.warning("sweep stopped at %d runs; the rest wait for the next pass", num_acted)
                 break
             if record.state in TERMINAL or record.state == "billed":
+                self.edges.forget(record.request_id)
                 continue
             try:
                 num_acted += await self._sweep_one(record)
@@ -119,10 +142,16 @@ class Sweeper(Service):
         return num_acted
 
     async def _sweep_one(self, record: RunRecord) -> int:
-        """Cancel, and past the grace end, one run idle past its deadline; 1 if it acted."""
+        """Cancel, and past the grace end, one run idle past its deadline, or end one whose
+        cancel nothing honoured; 1 if it acted."""
+        run = await self._run_of(record.request_id)
         idle_s = (self.clock() - await self._last_activity_ns(record)) / 1e9
         deadline = self.config.deadline_s(record)
-        if idle_s < deadline or await self._ended_in_log(record.request_id):
+        if record.state in ("queued", "prefill") and run is not None and run.deadline_s:
+            deadline = max(deadline, run.deadline_s)  # its client waits that long for an engine
+        if idle_s < deadline:
+            return await self._end_unhonoured_cancel(record)
+        if await self._ended_in_log(record.request_id):
             return 0
         await self.bus.publish(
             CancelRequested(request_id=record.request_id, tenant=record.tenant, reason="timeout")
@@ -132,18 +161,43 @@ class Sweeper(Service):
             await self._end(record, idle_s)
         return 1
 
-    async def _end(self, record: RunRecord, idle_s: float) -> None:
+    async def _end_unhonoured_cancel(self, record: RunRecord) -> int:
+        """A run cancelled `grace_s` ago that nothing ended (no stage held it: it waited for an
+        engine while none ran): end it; a later engine reads the cancel and never runs it."""
+        cancel = await self._last(record.request_id, "cancel")
+        if cancel is None or (self.clock() - cancel.ts_ns) / 1e9 < self.config.grace_s:
+            return 0
+        if await self._ended_in_log(record.request_id):
+            return 0
+        await self._end(record, (self.clock() - record.updated_ns) / 1e9, cancel.reason)
+        return 1
+
+    async def _run_of(self, request_id: str) -> Run | None:
+        """What the run's `accepted` event says (its deadline, its edge), kept for the edge
+        watch; None when the log holds none."""
+        run = self.edges.runs.get(request_id)
+        if run is not None:
+            return run
+        last = await self._last_raw(request_id, "accepted")
+        found = read_accepted(last) if last else None
+        if found is None:
+            return None
+        self.edges.track(*found)
+        return found[1]
+
+    async def _end(self, record: RunRecord, idle_s: float, reason: str = "timeout") -> None:
         log.warning(
-            "ending run %s (%s, no progress for %.0f s): cancelled, reason timeout",
+            "ending run %s (%s, no progress for %.0f s): cancelled, reason %s",
             record.request_id,
             record.state,
             idle_s,
+            reason,
         )
         await self.bus.publish(
             RunCancelled(
                 request_id=record.request_id,
                 tenant=record.tenant,
-                reason="timeout",
+                reason=reason,
                 usage=record.usage,
                 last_seq=record.last_seq,
                 stage=STAGE,
@@ -166,14 +220,19 @@ class Sweeper(Service):
                 return True
         return False
 
-    async def _last(self, request_id: str, kind: str):
+    async def _last_raw(self, request_id: str, kind: str) -> bytes | None:
         subject = subjects.event_subject(request_id, kind)
         try:
             msg = await self.bus.js.get_last_msg(subjects.EVENTS_STREAM, subject, direct=True)
         except NotFoundError:
             return None
+        return msg.data or None
+
+    async def _last(self, request_id: str, kind: str):
+        data = await self._last_raw(request_id, kind)
+        subject = subjects.event_subject(request_id, kind)
         try:
-            return decode_event(msg.data) if msg.data else None
+            return decode_event(data) if data else None
         except msgspec.DecodeError:  # a poison stored on the subject is no event of the run
             log.warning("the last message on %s is not an event; ignored", subject)
             return None

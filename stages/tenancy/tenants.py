@@ -18,6 +18,7 @@ import tomli_w
 from msgspec import Meta
 
 from schemas import settings
+from schemas.events import DeadlineS
 from stages.runtime import natsd
 
 DEV_TENANT = "dev"
@@ -38,6 +39,8 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     max_output_tokens: Positive | None = None
     priority: Literal["interactive", "batch"] = "interactive"
     allowed_models: list[str] = []  # empty: every served model
+    # seconds its requests may wait for a first token unless they say (None: the edge's default)
+    deadline_s: DeadlineS | None = None
 
 
 class TenantsFile(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -149,6 +149,10 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_SWEEP_MAX_PER_PASS": 1000,
         "BRIGADE_EDGE_MODEL_ALIASES": (),
         "BRIGADE_EDGE_KV_WATERMARK": 0.95,
+        "BRIGADE_EDGE_DEADLINE_S": 300.0,
+        "BRIGADE_EDGE_KEEPALIVE_S": 10.0,
+        "BRIGADE_SWEEP_EDGE_CHECK_S": 0.25,
+        "BRIGADE_SWEEP_EDGE_GRACE_S": 1.0,
     }
     assert {s.name: s.default for s in settings.SETTINGS} == before
     found = settings.load({})

@@ -39,7 +39,7 @@ async def test_a_stream_that_times_out_before_its_first_token_is_cancelled_for_g
 ):
     keys = keyring_for_tests(tmp_path)
     async with (
-        running_edge(bus_config, keys, idle_timeout_s=1.0) as edge,
+        running_edge(bus_config, keys, deadline_s=1.0) as edge,
         httpx.AsyncClient(base_url=edge.url, timeout=30) as http,
     ):
         r = await http.post("/v1/chat/completions", json=CHAT, headers=AUTH)  # no stage runs
@@ -69,7 +69,7 @@ async def test_a_keyed_stream_that_times_out_is_reported_running_and_resumable(
 ):
     keys = keyring_for_tests(tmp_path)
     async with (
-        running_edge(bus_config, keys, idle_timeout_s=1.0, reconnect_grace_s=30.0) as edge,
+        running_edge(bus_config, keys, deadline_s=1.0, reconnect_grace_s=30.0) as edge,
         httpx.AsyncClient(base_url=edge.url, timeout=30) as http,
     ):
         headers = {**AUTH, "Idempotency-Key": "k-timeout-1"}

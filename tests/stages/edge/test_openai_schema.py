@@ -273,6 +273,7 @@ BAD: dict[str, list] = {
         {"collections": ["docs"], "bogus": 1},
         {"collections": ["x"] * 9},
     ],
+    "deadline_s": [0, -1, 86_401, "x", [1]],
 }
 GENERIC = [None, True, False, 0, -1, 1, 1.5, 10**20, "", "x", [], [1], ["x"], {}, {"a": 1}]
 

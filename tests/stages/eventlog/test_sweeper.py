@@ -139,3 +139,45 @@ def test_config_comes_from_the_declared_settings(monkeypatch) -> None:
         "BRIGADE_SWEEP_PERIOD_S", "BRIGADE_SWEEP_QUEUED_S", "BRIGADE_SWEEP_ENGINE_S",
         "BRIGADE_SWEEP_GRACE_S", "BRIGADE_SWEEP_MAX_PER_PASS", "NATS_URL",
     }  # fmt: skip
+
+
+async def test_a_run_waits_out_its_own_deadline_and_an_unhonoured_cancel_is_ended(
+    bus_config: BusConfig,
+) -> None:
+    """A run no engine took is left alone until the deadline its client gave (here 50 s, past
+    the sweeper's 20 s for the engine), then cancelled; a run whose cancel nothing honoured (it
+    waited for an engine while none ran) is ended `grace_s` after that cancel."""
+    bus = await Bus.connect(bus_config)
+    now = time.time_ns()
+    ago = lambda s: now - int(s * 1e9)  # noqa: E731
+    try:
+        await bus.ensure_streams()
+        await bus.ensure_kv()
+        kv = await bus.kv(subjects.RUNS_BUCKET)
+        runs = RunStates(kv)
+        waiting = Request(messages=REQUEST.messages, deadline_s=50.0)
+        for rid in ("patient", "abandoned"):
+            await bus.publish(RequestAccepted(request_id=rid, tenant="acme", request=waiting,
+                                              ts_ns=ago(30)))  # fmt: skip
+            await runs.project(PromptTokenized(request_id=rid, tenant="acme",
+                                               prompt_token_ids=[1], ts_ns=ago(30)))  # fmt: skip
+        await bus.publish(CancelRequested(request_id="abandoned", tenant="acme", reason="timeout"))
+
+        sweeper = Sweeper(bus, CONFIG)  # 30 s idle: past engine_s=20, inside the 50 s deadline
+        assert await sweeper.sweep(kv) == 0  # and the cancel is younger than grace_s=5
+        assert await stored(bus, "patient", "cancel") == []
+        later = Sweeper(bus, CONFIG, clock=lambda: time.time_ns() + int(6e9))
+        assert await later.sweep(kv) == 1 and later.stats.ended_ids == ["abandoned"]
+        (ended,) = await stored(bus, "abandoned", "cancelled")
+        assert (ended.reason, ended.stage, ended.usage.completion_tokens) == (
+            "timeout",
+            "sweeper",
+            0,
+        )
+        assert later.stats.num_cancels == 0 and await stored(bus, "patient", "cancel") == []
+        past = Sweeper(bus, CONFIG, clock=lambda: time.time_ns() + int(21e9))  # 51 s idle
+        assert await past.sweep(kv) == 1
+        (cancel,) = await stored(bus, "patient", "cancel")
+        assert cancel.reason == "timeout"
+    finally:
+        await bus.close()
