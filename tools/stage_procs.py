@@ -19,6 +19,17 @@ from stages.runtime.natsd import die_with_parent
 from tools.stage import command
 
 STOP_TIMEOUT_S = 15.0
+MODEL_SEP = "@"  # a child's key: `engine@<model id>` is an engine worker bound to that model
+
+
+def child_key(stage: str, model: str | None = None) -> str:
+    return stage if model is None else f"{stage}{MODEL_SEP}{model}"
+
+
+def split_key(key: str) -> tuple[str, str | None]:
+    """`engine@tiny` -> ("engine", "tiny"); `ledger` -> ("ledger", None)."""
+    stage, sep, model = key.partition(MODEL_SEP)
+    return stage, (model if sep else None)
 
 
 def connected(monitor_url: str | None, name: str) -> bool | None:
@@ -44,10 +55,14 @@ class StageProcesses:
         self._terminated: set[int] = set()  # pids sent SIGTERM
 
     def start(self, name: str) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "tools.cli", *command(name)[1:]]
+        """Start child `name`: a stage, or `engine@<model id>` (an engine worker of that model,
+        BRIGADE_ENGINE_MODEL in its environment)."""
+        stage, model = split_key(name)
+        argv = [sys.executable, "-m", "tools.cli", *command(stage)[1:]]
+        env = self.env if model is None else {**self.env, "BRIGADE_ENGINE_MODEL": model}
         proc = subprocess.Popen(
             [*argv, "--log-level", self.log_level],
-            env=self.env,
+            env=env,
             process_group=0,
             preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )

@@ -13,8 +13,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from schemas import settings
-from tools.stage_procs import StageProcesses
+from schemas import models, settings
+from tools.stage_procs import StageProcesses, child_key, split_key
 
 # Run as child processes even without --procs: the engine's steps would hold this process's GIL,
 # and the recorders' file work is off the request's path (they run at low CPU priority).
@@ -36,6 +36,14 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--stages", help="comma-separated subset of stages to run (default: every one present)"
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        metavar="[ID=]MODEL",
+        help="serve this model (a registered name, a .gguf file or a Hugging Face directory; "
+        "ID= names it); repeat for several, the first the default; one engine worker each "
+        "(default: BRIGADE_MODEL)",
     )
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default WARNING)")
     p.set_defaults(func=run)
@@ -109,12 +117,16 @@ async def _ready_pids(kv) -> dict[str, set[int]]:
     return ready
 
 
-async def _wait_ready(progress: Progress, kv, name: str, pid: int, stop, proc=None) -> bool:
-    """Until stage `name` beats ready from process `pid` (True), or `stop` is set (False);
-    raises RuntimeError when the child `proc` exits first or takes CHILD_START_TIMEOUT_S."""
+async def _wait_ready(progress: Progress, kv, key: str, pid: int, stop, proc=None) -> bool:
+    """Until stage `key` (or `engine@<model>`) beats ready from process `pid` (True), or `stop`
+    is set (False); raises RuntimeError when the child `proc` exits first or takes
+    CHILD_START_TIMEOUT_S."""
     import anyio
 
-    what = "engine: loading the model" if name == "engine" else f"starting {name}"
+    name, model = split_key(key)
+    what = f"starting {name}"
+    if name == "engine":
+        what = f"engine: loading {model or models.default().id}"
     started = progress.begin(what)
     while not stop.is_set():
         if pid in (await _ready_pids(kv)).get(name, set()):
@@ -154,6 +166,13 @@ async def _serve(plan: Plan, config, progress: Progress, log_level: str, procs: 
 
     own = plan.stages if procs else tuple(n for n in plan.stages if n in CHILD_STAGES)
     here = tuple(n for n in plan.stages if n not in own)
+    served = models.served()
+    if len(served) > 1:  # one engine worker per served model, each bound to its own
+        own = tuple(
+            key
+            for n in own
+            for key in ([child_key(n, m.id) for m in served] if n == "engine" else [n])
+        )
     children = StageProcesses(plan.url, getattr(plan.server, "monitor_url", None), log_level)
     stop = anyio.Event()
     bus = await Bus.connect(config, name="brigade-up")
@@ -259,9 +278,17 @@ def run(args) -> int:
     )
     try:
         stages = _choose_stages(args.stages)
+        if args.model:  # every stage (and child) reads the served models from the environment
+            import os
+
+            os.environ[settings.MODEL.name] = ",".join(args.model)
+        served = models.served()
     except ValueError as err:
         print(f"brigade up: {err}", file=sys.stderr)
         return 2
+    if len(served) > 1:
+        print(f"  models: {', '.join(m.id for m in served)} (default {served[0].id})",
+              file=sys.stderr)  # fmt: skip
     progress = Progress()
     url = args.nats_url or ",".join(settings.NATS_URL.get())
     server = None

@@ -101,3 +101,18 @@ def test_every_service_has_a_healthcheck_and_waits_for_a_healthy_nats(compose):
             assert depends[node] == {"condition": "service_healthy", "required": False}
     assert services["engine"]["healthcheck"]["start_period"] == "300s"  # loads the model
     assert services["edge"]["depends_on"]["gateway"] == {"condition": "service_healthy"}
+
+
+def test_a_second_model_is_a_profile_with_an_engine_bound_to_it(compose):
+    """Every stage reads the served models (the gateway refuses others, tokenize, context and
+    detokenize use each one's tokenizer); `second-model` adds an engine bound to the second."""
+    services = compose["services"]
+    for name in stage.available():
+        assert services[name]["environment"]["BRIGADE_MODEL"] == "${BRIGADE_MODEL:-smollm2-135m}"
+    second, engine = services["engine-second"], services["engine"]
+    assert second["profiles"] == ["second-model"] and "profiles" not in engine
+    assert second["command"] == engine["command"] == ["stage", "engine"]
+    assert second["environment"]["BRIGADE_ENGINE_MODEL"].startswith("${SECOND_MODEL:-")
+    assert "BRIGADE_ENGINE_MODEL" not in engine["environment"]  # the first of BRIGADE_MODEL
+    assert second["environment"]["BRIGADE_NATS_USER"] == "engine"
+    assert "./models:/models:ro" in second["volumes"] and second["cpu_shares"] == 64

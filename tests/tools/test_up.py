@@ -133,3 +133,71 @@ def test_a_stage_that_ignores_sigterm_is_killed_within_the_shutdown_bound(
     assert took < 4.0 + 2.0, f"stopping took {took:.1f} s with a 4 s bound"
     with pytest.raises(ProcessLookupError):
         os.kill(stuck, 0)  # killed, not left behind
+
+
+async def _engine_beats(config: BusConfig, want: int, timeout_s: float) -> dict[str, int]:
+    """{model: pid} of the ready engine workers, once `want` of them beat."""
+    bus = await Bus.connect(config)
+    try:
+        kv = await bus.kv(subjects.STAGES_BUCKET, ttl_s=heartbeat.TTL_S)
+        with anyio.fail_after(timeout_s):
+            while True:
+                found = {
+                    b.detail.get("model"): b.pid
+                    for b in await heartbeat.beats(kv)
+                    if b.stage == "engine" and b.ready
+                }
+                if len(found) >= want:
+                    return found
+                await anyio.sleep(0.2)
+    finally:
+        await bus.close()
+
+
+async def _submit_for(config: BusConfig, model: str):
+    bus = await Bus.connect(config)
+    try:
+        return await bus.submit(Submit(model=model, prompt="Hi", api_key="k"))
+    finally:
+        await bus.close()
+
+
+def test_two_models_get_an_engine_worker_each_restarted_as_itself(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """`brigade up --model A --model B`: one engine child per model, each bound to its model
+    (its announcement, its own durable on its model's subject); a killed one comes back bound
+    to the same model; the gateway accepts both ids and refuses any other."""
+    from tests.engine.tiny_llama import write_tiny_llama_with_tokenizer
+
+    tiny = write_tiny_llama_with_tokenizer(tmp_path / "tiny-llama", "smollm2-135m")
+    config = BusConfig(servers=(nats_server.url,))
+    proc, log_path = _start_up(tmp_path, nats_server.url, "gateway,engine",
+                               "--model", "smollm2-135m", "--model", f"tiny={tiny}")  # fmt: skip
+    try:
+        _wait_for(log_path, proc, b"Brigade is up", 240)
+        log = log_path.read_text()
+        assert "models: smollm2-135m, tiny (default smollm2-135m)" in log
+        assert "engine: loading smollm2-135m ... done" in log
+        assert "engine: loading tiny ... done" in log
+        workers = anyio.run(_engine_beats, config, 2, 10.0)
+        assert set(workers) == {"smollm2-135m", "tiny"} and len(set(workers.values())) == 2
+        status = json.loads(_status(nats_server.url, "--json").stdout)
+        filters = {c["durable"]: c["filter"] for c in status["consumers"]}
+        assert filters["brigade-engine-smollm2-135m"] == "llm.ev.*.tokenized.smollm2-135m"
+        assert filters["brigade-engine-tiny"] == "llm.ev.*.tokenized.tiny"
+        assert anyio.run(_submit_for, config, "tiny").accepted
+        refused = anyio.run(_submit_for, config, "gpt-4o")
+        assert (refused.accepted, refused.code) == (False, "model_not_found")
+
+        os.kill(workers["tiny"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (again := anyio.run(_engine_beats, config, 2, 30.0))["tiny"] == workers["tiny"]:
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        assert again["smollm2-135m"] == workers["smollm2-135m"]  # the other one kept serving
+        assert (
+            f"stage engine@tiny (pid {workers['tiny']}) exited with code -9" in log_path.read_text()
+        )
+    finally:
+        _stop(proc)
