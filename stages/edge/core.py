@@ -322,12 +322,12 @@ class Edge:
         joins the waiting work without being refused for waiting behind its own first run."""
         model = self.served_model(caller, submit.model)
         submit = msgspec.structs.replace(submit, model=model)
-        self._remember_model(submit.request_id or "", model)
         try:  # the gateway's own checks, here for a fast 400 and the idempotency digest
             request = gateway.normalize(submit, limit_chars=gateway.max_text_chars())
         except StageError as err:
             raise RequestError("invalid_request", err.message, err.field) from None
         request_id = submit.request_id or new_request_id()
+        self._remember_model(request_id, model)
         deadline = deadline_for(submit.deadline_s, caller.deadline_s, self.config.deadline_s)
         submit = msgspec.structs.replace(submit, request_id=request_id, deadline_s=deadline,
                                          edge_worker=self.edge_worker)  # fmt: skip

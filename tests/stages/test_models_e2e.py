@@ -5,12 +5,14 @@ engine worker is bound to one model and consumes only the `tokenized` events rou
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import anyio
 import httpx
 import openai
 import pytest
+import websockets
 
 from engine import Engine, EngineConfig, SamplingParams
 from schemas import models, settings, subjects
@@ -228,3 +230,27 @@ async def test_the_sdk_reaches_each_model_and_an_unknown_one_is_a_404(served):
     finally:
         await bus.close()
     assert (reply.accepted, reply.code, reply.field) == (False, "model_not_found", "model")
+
+
+async def test_a_websocket_run_counts_for_its_model(served):
+    """A websocket run names no request id: its end (`completed`, which names no model) and its
+    time to first token still count on the tiny model's series."""
+    edge, _, _, _ = served
+    metric = 'brigade:request_success_total{finished_reason="length",model_name="tiny"}'
+
+    async def count() -> float:
+        async with httpx.AsyncClient(base_url=edge.url) as http:
+            text = (await http.get("/metrics")).text
+        found = [line for line in text.splitlines() if line.startswith(metric)]
+        return float(found[0].split()[-1]) if found else 0.0
+
+    before = await count()
+    auth = {"Authorization": f"Bearer {ACME_KEY}"}
+    async with websockets.connect(edge.ws_url, additional_headers=auth) as ws:
+        await ws.send(json.dumps({"type": "response.create", "response": {
+            "model": TINY, "messages": PROMPT, "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True}}))  # fmt: skip
+        while (event := json.loads(await ws.recv()))["type"] != "response.done":
+            assert event["type"] != "error", event
+    assert (event["status"], event["finish_reason"]) == ("incomplete", "length")  # max_tokens
+    assert await count() == before + 1
