@@ -70,6 +70,7 @@ from stages.runtime.spec import StageContext, StageSpec, with_env_overrides
 
 log = logging.getLogger("brigade.runtime")
 _cancel_decoder = msgspec.json.Decoder(CancelRequested)
+CLOCK_MARGIN_S = 5.0  # how far this host's clock and the server's may disagree
 
 
 class StageWorker:
@@ -85,6 +86,9 @@ class StageWorker:
         self.state: Any = None
         self.service: Service | None = None
         self._cancel_sub: Any = None
+        # wall clock since which this worker hears every cancel live (its subscription, renewed
+        # at each reconnect): an input stored later needs no look for a cancel in the log
+        self._cancels_heard_from: float | None = None
         self._gave_up_sub: Any = None
         self._pull: ContinuousPull | None = None
         self._in_flight: dict[int, Held] = {}  # every input delivered and not settled yet
@@ -106,6 +110,7 @@ class StageWorker:
         await self._until_bus_answers(self.bus.ensure_streams, stop)
         if self.spec.has_input:
             self._cancel_sub = await self.ctx.cancels.subscribe(self.bus)
+            self._cancels_heard_from = time.time()
             consumer = self.spec.consumer()
             self._gave_up_sub = await self.bus.nc.subscribe(
                 subjects.max_deliveries_advisory(consumer.stream, consumer.durable),
@@ -159,6 +164,7 @@ class StageWorker:
                 await anyio.sleep(backoff.delay())
                 continue
             self.log.info("reconnected to NATS; streams and durable in place")
+            self._cancels_heard_from = time.time()  # cancels sent while away were not heard
             seen = now
             backoff.reset()
 
@@ -210,13 +216,25 @@ class StageWorker:
         # Where runs wait while no worker may run (the submit queue; a service's input: runs
         # wait there for an engine), a cancel may predate this worker: read it from the log.
         waits = self.spec.stream == subjects.SUBMIT_STREAM or isinstance(self.service, InputService)
-        if request_id is not None and waits and request_id not in self.ctx.cancels:
+        if (
+            request_id is not None
+            and waits
+            and request_id not in self.ctx.cancels
+            and self._unheard_cancel_possible(held.msg)
+        ):
             await self._cancel_stored(request_id, held.msg)
         if self.spec.skip_cancelled and request_id is not None:
             if request_id in self.ctx.cancels:
                 await held.complete([self._cancelled(event, request_id)])
                 return False, None
         return True, event
+
+    def _unheard_cancel_possible(self, msg: Msg) -> bool:
+        """Whether a cancel of this input may have come while this worker did not listen: the
+        input was stored before it heard cancels live (within CLOCK_MARGIN_S of the server's
+        clock); a later one's cancel is in the cancel set already."""
+        since, stored = self._cancels_heard_from, msg.metadata.timestamp
+        return since is None or stored is None or stored.timestamp() < since + CLOCK_MARGIN_S
 
     async def _cancel_stored(self, request_id: str, submitted: Msg) -> None:
         """An input's cancel may predate this worker (its client gave up on it, told it timed
