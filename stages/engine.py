@@ -12,6 +12,7 @@ num_prior_output).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import sys
 import time
@@ -48,6 +49,8 @@ from stages.runtime.service import Held, InputService
 from stages.runtime.spec import StageContext, StageSpec
 
 STAGE = "engine"
+# vLLM's iteration_tokens_total buckets: the tokens one engine step computes
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SWITCH_INTERVAL_S = 0.0005  # Python's default is 0.005: up to 5 ms before the loop gets the GIL
 log = logging.getLogger("brigade.engine")
 
@@ -124,6 +127,7 @@ class EngineStage(InputService):
         self._to_abort: set[str] = set()
         self._step_reported = False  # this step's first tokens event is out (it carries the size)
         self._work = anyio.Event()  # new work for the step loop
+        self.step_tokens = StepTokens()  # every step's size, for the edge's iteration_tokens
         # tokens per event: one while detokenize keeps up, more while it lags (engine_stream.py)
         self.stream = StreamInterval(self.bus, StreamConfig.from_env())
 
@@ -158,6 +162,7 @@ class EngineStage(InputService):
             "kv_usage": round(stats.kv_usage, 4),
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
+            "iteration_tokens": self.step_tokens.as_detail(),
         }
 
     async def admit(self, held: Held, event: PromptTokenized) -> None:
@@ -298,6 +303,7 @@ class EngineStage(InputService):
                 continue
             took = time.monotonic_ns() - began
             stats = self.engine.stats()
+            self.step_tokens.observe(stats.num_step_tokens)
             self._step_reported = False  # the step's size rides on its first tokens event
             for out in outputs:
                 run = self.runs.get(out.request_id)
@@ -447,6 +453,29 @@ def _coalesced(held: TokensGenerated, step: TokensGenerated) -> TokensGenerated:
         kv_usage=step.kv_usage,
         num_step_tokens=step.num_step_tokens,
     )
+
+
+@dataclass
+class StepTokens:
+    """A histogram of the tokens each step computed (prefill and decode), since this worker
+    started: every run's steps, whoever submitted it (the edge or straight on NATS). It rides
+    in the heartbeat; the edge serves it as `iteration_tokens_total`."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_TOKEN_BUCKETS) + 1))
+    total: int = 0
+
+    def observe(self, num_tokens: int) -> None:
+        at = next((i for i, le in enumerate(STEP_TOKEN_BUCKETS) if num_tokens <= le), -1)
+        self.counts[at] += 1  # the last slot: above every bound (+Inf)
+        self.total += num_tokens
+
+    def as_detail(self) -> dict[str, Any]:
+        """Prometheus' shape: cumulative counts at each upper bound, +Inf last, and the sum."""
+        return {
+            "le": list(STEP_TOKEN_BUCKETS),
+            "cumulative": list(itertools.accumulate(self.counts)),
+            "sum": self.total,
+        }
 
 
 def announcement(engine: Any, model: models.ServedModel | None) -> dict[str, Any]:

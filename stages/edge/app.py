@@ -46,6 +46,9 @@ def build_app(edge: Edge) -> Starlette:
         )
 
     async def metrics(request: Request) -> Response:
+        beats = await edge.beats()  # the engines' own step histograms (iteration_tokens_total)
+        if beats is not None:
+            edge.metrics.engines.update(beats)
         return Response(edge.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def socket(websocket) -> None:

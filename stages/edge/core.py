@@ -45,6 +45,7 @@ from stages.edge.logprobs import TokenEvents
 from stages.edge.metrics import EdgeMetrics
 from stages.edge.runwatch import RunWatch, Waiting
 from stages.eventlog.runstate import RunStates
+from stages.runtime import heartbeat
 from stages.runtime.bus import MSG_ID_HEADER, Bus, publish_submit
 from stages.runtime.failures import StageError, bus_unavailable
 from stages.tenancy.idempotency import Claim, IdempotencyConflict, IdempotencyStore, request_hash
@@ -203,6 +204,15 @@ class Edge:
             return model
         caller.check_model(model)
         return model
+
+    async def beats(self) -> list[heartbeat.Beat] | None:
+        """Every live worker's latest heartbeat (None: the bucket cannot be read now)."""
+        try:
+            with anyio.fail_after(2.0):
+                kv = await self.bus.kv(subjects.STAGES_BUCKET, ttl_s=heartbeat.TTL_S)
+                return await heartbeat.beats(kv, timeout_s=1.0)
+        except Exception:  # noqa: BLE001 - answered without them (/health's detail, /metrics)
+            return None
 
     async def engine_ready(self) -> tuple[bool, str]:
         """Whether every served model has an engine worker serving its durable now: a waiting

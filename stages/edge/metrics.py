@@ -6,16 +6,19 @@ and decode times, time per output token and the engine gauges come from the engi
 / `tokens` events; token counts per request from each run's end; per-stage durations from each
 event's `service_ns`; preemptions and the prefix cache's queries and hits (prompt tokens looked
 up, and found cached) from each run's `finished`. One registry per app, so tests never clash.
-`iteration_tokens_total` (tokens per engine step) from the first tokens event of each step,
-so it counts the steps that gave one of this edge's runs a token.
+`iteration_tokens_total` (tokens per engine step) is each live engine worker's own histogram,
+from its heartbeat (labelled with its model and worker, as vLLM labels an engine's): it counts
+every step, whoever submitted the runs in it (this edge, another, or a client on NATS).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from schemas.events import (
     AnyEvent,
@@ -43,7 +46,6 @@ _PER_TOKEN = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0
               10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _LONG = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
          120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-_ITERATION = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 _STAGE = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 _LABEL = "model_name"
 
@@ -89,7 +91,6 @@ class EdgeMetrics:
         tokens = token_buckets(max_model_len)
         histogram("request_prompt_tokens", "brigade:request_prompt_tokens", "Prompt tokens of each finished request.", tokens)  # fmt: skip
         histogram("request_generation_tokens", "brigade:request_generation_tokens", "Generated tokens of each finished request.", tokens)  # fmt: skip
-        histogram("iteration_tokens", "brigade:iteration_tokens_total", "Tokens computed per engine step.", _ITERATION)  # fmt: skip
         gauge("running", "brigade:num_requests_running", "Requests in the running batch.")
         gauge("waiting", "brigade:num_requests_waiting", "Requests waiting for engine admission.")
         gauge("kv_usage", "brigade:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")  # fmt: skip
@@ -110,6 +111,8 @@ class EdgeMetrics:
         self._failure = Counter(
             "brigade:request_failure", "Failed runs by error code.", [_LABEL, "code"], registry=r
         )
+        self.engines = EngineSteps()
+        r.register(self.engines)
         self._series: dict[str, ModelSeries] = {}
         for name in names:
             self.of(name)
@@ -139,8 +142,6 @@ class EdgeMetrics:
                 m.waiting.set(event.num_waiting)
             if event.kv_usage is not None:
                 m.kv_usage.set(event.kv_usage)
-        if isinstance(event, TokensGenerated) and event.num_step_tokens is not None:
-            m.iteration_tokens.observe(event.num_step_tokens)
         if isinstance(event, RunFinished):
             m.queue.observe(event.queue_ns / 1e9)
             m.prefill.observe(event.prefill_ns / 1e9)
@@ -164,6 +165,37 @@ class EdgeMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineSteps:
+    """`iteration_tokens_total`: the step-size histogram each live engine worker reports in its
+    heartbeat (stages/engine.py StepTokens), one series per worker; `update` at each scrape."""
+
+    NAME = "brigade:iteration_tokens_total"
+
+    def __init__(self) -> None:
+        self.workers: list[tuple[str, str, dict[str, Any]]] = []  # (model, worker, histogram)
+
+    def update(self, beats: Sequence[Any]) -> None:
+        self.workers = [
+            (str(b.detail.get("model", "")), b.worker, b.detail["iteration_tokens"])
+            for b in beats
+            if b.stage == "engine" and isinstance(b.detail.get("iteration_tokens"), dict)
+        ]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            self.NAME, "Tokens computed per engine step.", labels=[_LABEL, "engine"]
+        )
+        for model, worker, h in self.workers:
+            try:
+                counts = [int(c) for c in h["cumulative"]]
+                bounds = [floatToGoString(float(le)) for le in h["le"]]
+                buckets = [*zip(bounds, counts[:-1], strict=True), ("+Inf", counts[-1])]
+                family.add_metric([model, worker], buckets, sum_value=float(h["sum"]))
+            except (KeyError, TypeError, ValueError):  # a worker of another version: left out
+                continue
+        yield family
 
 
 class ModelSeries:

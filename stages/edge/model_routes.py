@@ -12,13 +12,11 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
-import anyio
 import msgspec
 from msgspec import Struct
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from schemas import subjects
 from stages.edge.core import Edge
 from stages.edge.errors import RequestError, error_response
 from stages.edge.openai_messages import ChatMessage, validate_messages, wire_messages
@@ -103,7 +101,7 @@ class ModelRoutes:
     async def _announced(self) -> dict[str, list[dict[str, Any]]]:
         """model id -> the announcements of its live, ready engine workers."""
         found: dict[str, list[dict[str, Any]]] = {}
-        for beat in await self._beats() or ():
+        for beat in await self.edge.beats() or ():
             model = beat.detail.get("model")
             if beat.stage == "engine" and beat.ready and isinstance(model, str):
                 keep = {k: v for k, v in beat.detail.items() if k in ANNOUNCED}
@@ -127,7 +125,7 @@ class ModelRoutes:
         ready, detail = await self.edge.engine_ready()
         if ready:
             body: dict[str, Any] = {"status": "ok", "detail": detail}
-            beats = await self._beats()
+            beats = await self.edge.beats()
             if beats is not None:
                 stages = heartbeat.by_stage(beats)
                 body["stages"] = stages
@@ -135,15 +133,6 @@ class ModelRoutes:
             return JSONResponse(body)
         err = RequestError("unavailable", f"not ready to serve: {detail}", retry_after_s=1.0)
         return error_response(err)
-
-    async def _beats(self) -> list[heartbeat.Beat] | None:
-        """Every live worker's beat (None: cannot read them)."""
-        try:
-            with anyio.fail_after(2.0):
-                kv = await self.edge.bus.kv(subjects.STAGES_BUCKET, ttl_s=heartbeat.TTL_S)
-                return await heartbeat.beats(kv, timeout_s=1.0)
-        except Exception:  # noqa: BLE001 - readiness is answered without the per-stage detail
-            return None
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": brigade_version()})

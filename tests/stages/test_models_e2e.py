@@ -6,6 +6,7 @@ engine worker is bound to one model and consumes only the `tokenized` events rou
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 import anyio
@@ -158,6 +159,19 @@ async def test_each_request_is_answered_by_its_own_models_engine(served):
         direct += [t for out in reference.step() for t in out.new_token_ids]
     assert tiny_ids == direct and len(direct) == MAX_TOKENS
     assert smol_ids != tiny_ids  # the same ids, another model's answer
+
+    # submitted straight on NATS, no edge watched them: their steps count all the same (each
+    # engine's own histogram, from its heartbeat), a prefill and a decode step per token after
+    edge = served[0]
+    count = re.compile(r'^brigade:iteration_tokens_total_count\{engine="[^"]+",model_name="(\S+)"\} (\S+)$')  # fmt: skip
+    with anyio.fail_after(10):
+        while True:
+            async with httpx.AsyncClient(base_url=edge.url) as http:
+                text = (await http.get("/metrics")).text
+            steps = {m[1]: float(m[2]) for line in text.splitlines() if (m := count.match(line))}
+            if steps.get(TINY, 0) >= MAX_TOKENS and steps.get(SMOL, 0) >= MAX_TOKENS:
+                break
+            await anyio.sleep(0.2)
 
 
 async def test_the_prefix_cache_is_never_shared_across_models(served):

@@ -1,8 +1,10 @@
 """The edge's metrics from the events it sees: vLLM's names with `brigade:`, every series
 labelled with the model; preemptions and prefix-cache queries / hits from each run's end."""
 
-from schemas.events import RunCompleted, RunFinished, TokensGenerated, Usage
+from schemas.events import RunCompleted, RunFinished, Usage
 from stages.edge.metrics import EdgeMetrics
+from stages.engine import StepTokens
+from stages.runtime.heartbeat import Beat
 
 
 def _samples(metrics: EdgeMetrics) -> dict[str, float]:
@@ -31,16 +33,25 @@ def test_preemptions_and_prefix_cache_counters_come_from_each_runs_end():
     assert all('model_name="m"' in name for name in got)
 
 
-def test_iteration_tokens_from_each_steps_first_tokens_event():
-    metrics = EdgeMetrics("m")
-    for step_tokens in (512, 3, None):  # None: not its step's first event
-        metrics.observe_event(
-            TokensGenerated(request_id="r", seq=0, token_ids=[1], num_step_tokens=step_tokens)
-        )
+def test_iteration_tokens_are_each_engine_workers_own_from_its_heartbeat():
+    """The engine counts every step it computes; the edge serves each live worker's histogram
+    as it beats, labelled with the worker's model and id (another stage's beat adds none)."""
+    steps = StepTokens()
+    for num_tokens in (512, 3, 1, 20000):
+        steps.observe(num_tokens)
+    engine = Beat(stage="engine", worker="h-1-0", host="h", pid=1, ready=True,
+                  detail={"model": "tiny", "iteration_tokens": steps.as_detail()})  # fmt: skip
+    other = Beat(stage="tokenize", worker="h-1-1", host="h", pid=1, ready=True)
+    metrics = EdgeMetrics(["m", "tiny"])
+    metrics.engines.update([engine, other])
     got = _samples(metrics)
-    assert got['brigade:iteration_tokens_total_count{model_name="m"}'] == 2
-    assert got['brigade:iteration_tokens_total_sum{model_name="m"}'] == 515
-    assert got['brigade:iteration_tokens_total_bucket{le="8.0",model_name="m"}'] == 1
+    series = 'engine="h-1-0",{}model_name="tiny"'
+    assert got["brigade:iteration_tokens_total_count{" + series.format("") + "}"] == 4
+    assert got["brigade:iteration_tokens_total_sum{" + series.format("") + "}"] == 20516
+    for le, count in (("1.0", 1), ("8.0", 2), ("512.0", 3), ("16384.0", 3), ("+Inf", 4)):
+        name = "brigade:iteration_tokens_total_bucket{" + series.format(f'le="{le}",') + "}"
+        assert got[name] == count, le
+    assert not [n for n in got if "iteration" in n and "h-1-1" in n]
 
 
 def test_every_series_is_labelled_with_its_runs_model():
