@@ -33,8 +33,9 @@ from pathlib import Path
 STAGE_FAULTS = ("gateway", "auth", "context", "tokenize", "engine", "detokenize", "ledger",
                 "archiver", "sweeper", "edge")  # fmt: skip
 FAULTS = (*(f"kill:{s}" for s in STAGE_FAULTS), "nats-restart", "poison")
-# One node of the three-node cluster: one that leads nothing Brigade's streams need, the meta
-# leader, and the leaders of the event log and of the submit queue (chosen at the strike).
+# One node of the three-node cluster: one that leads neither the meta group nor Brigade's
+# streams, the meta leader, and the leaders of the event log and of the submit queue (chosen at
+# the strike).
 NODE_FAULTS = ("nats-node:follower", "nats-node:meta-leader", "nats-node:events-leader",
                "nats-node:in-leader")  # fmt: skip
 CLUSTER_FAULTS = (*NODE_FAULTS, *FAULTS)
@@ -192,7 +193,9 @@ class Deployment:
         self.server = natsd.start(self.data_dir / "nats", port=port)
 
     def node_to_kill(self, fault: str) -> tuple[str, str]:
-        """(node, what it leads) for a `nats-node:*` fault, read from the nodes as it strikes."""
+        """(node, what it leads) for a `nats-node:*` fault, read from the nodes as it strikes: the
+        meta group, Brigade's streams and how many consumers (each consumer has its own leader,
+        and a stage's input stalls while its consumer elects one)."""
         from schemas import subjects
 
         c = self.cluster
@@ -215,7 +218,9 @@ class Deployment:
             raise RuntimeError(f"{fault}: no running node leads it after 30 s")
         led = [name for name, leader in (("meta", c.meta_leader()),
                *((s, c.stream_leader(s)) for s in streams.values())) if leader == node]  # fmt: skip
-        return node, ", ".join(led) or "nothing"
+        consumers = c.consumer_leaders()
+        num_led = sum(leader == node for leader in consumers.values())
+        return node, f"{', '.join(led) or 'no stream'}; {num_led} of {len(consumers)} consumers"
 
     def kill_node(self, node: str) -> None:
         """SIGKILL one node; start it again on its ports and store after node_down_s."""

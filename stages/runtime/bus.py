@@ -34,7 +34,10 @@ log = logging.getLogger("brigade.bus")
 MSG_ID_HEADER = "Nats-Msg-Id"
 _reply_decoder = msgspec.json.Decoder(SubmitReply)
 STREAM_NAME_IN_USE = 10058  # JetStream err_code: a stream exists with another configuration
-PUBLISH_ACK_TIMEOUT_S = 5.0  # a pipelined publish's ack, before it is published again
+# A pipelined publish's ack, before it is published again; each later try waits twice as long,
+# up to PUBLISH_RETRY_MAX_S. A healthy server acks in well under a millisecond (tens under load).
+PUBLISH_ACK_TIMEOUT_S = 1.0
+PUBLISH_RETRY_MAX_S = 5.0
 PUBLISH_GIVE_UP_S = 60.0  # no ack for this long, across every attempt: the publish fails
 ACK_CHECK_S = 0.25  # how often the unacked publishes are looked over
 # Submits wait in memory until the gateway takes them; past this the publisher is refused.
@@ -135,6 +138,7 @@ class _Unacked:
     acked: asyncio.Future[api.PubAck]
     due: float  # monotonic: published again when no ack came by then
     give_up: float  # monotonic: past this the publish fails
+    wait_s: float  # how long the attempt in flight is given
 
 
 class Bus:
@@ -146,7 +150,7 @@ class Bus:
         self.config = config
         self._kv: dict[str, KeyValue] = {}
         self._pulls: list[JetStreamContext.PullSubscription] = []
-        self._unacked: deque[_Unacked] = deque()  # by `due`, oldest first
+        self._unacked: deque[_Unacked] = deque()  # pipelined publishes without an ack yet
         self._ack_watch: asyncio.Task | None = None
         self.num_republished = 0
 
@@ -355,9 +359,9 @@ class Bus:
 
         nats-py's own future has no deadline, and a publish that reaches a stream with no leader
         (an election) or a server that dies before storing it gets no answer at all. So the bus
-        watches every pipelined publish: one without an ack after `publish_ack_timeout_s` is
-        published again (its Nats-Msg-Id stores it once), until `publish_give_up_s`, when the
-        future fails. It is published again then, not when the publisher comes to await it: a
+        watches every pipelined publish: one without an ack after `publish_ack_timeout_s` (1 s)
+        is published again (its Nats-Msg-Id stores it once), then after 2, 4, 5, 5 ... s, until
+        `publish_give_up_s`, when the future fails. It is published again then, not when the publisher comes to await it: a
         run's tokens lost in an election are stored a few seconds late, not after its end."""
         message = self._prepare(event)
         subject, payload, headers = message
@@ -366,7 +370,7 @@ class Bus:
         now = time.monotonic()
         c = self.config
         pending = _Unacked(event, message, sent, acked, now + c.publish_ack_timeout_s,
-                           now + c.publish_give_up_s)  # fmt: skip
+                           now + c.publish_give_up_s, c.publish_ack_timeout_s)  # fmt: skip
         sent.add_done_callback(lambda f: _settle(pending, f))
         self._unacked.append(pending)
         if self._ack_watch is None or self._ack_watch.done():
@@ -377,11 +381,12 @@ class Bus:
         """Publish again what has no ack by its due time, until nothing is unacked."""
         while self._unacked:
             now = time.monotonic()
+            waiting: deque[_Unacked] = deque()
             again: list[_Unacked] = []
-            while self._unacked and (self._unacked[0].acked.done() or self._unacked[0].due <= now):
-                pending = self._unacked.popleft()
+            for pending in self._unacked:  # few: a healthy server acks within milliseconds
                 if not pending.acked.done():
-                    again.append(pending)
+                    (again if pending.due <= now else waiting).append(pending)
+            self._unacked = waiting
             if again:
                 await self._publish_again(again, now)
             await asyncio.sleep(ACK_CHECK_S)
@@ -390,8 +395,8 @@ class Bus:
         first = again[0].event
         log.warning(
             "no ack within %.1f s for %d event(s) (the first: %s of %s, seq %s); publishing "
-            "them again", self.config.publish_ack_timeout_s, len(again), event_tag(first),
-            first.request_id, getattr(first, "seq", None),
+            "them again", again[0].wait_s, len(again), event_tag(first), first.request_id,
+            getattr(first, "seq", None),
         )  # fmt: skip
         for pending in again:
             pending.sent.cancel()
@@ -399,12 +404,16 @@ class Bus:
                 pending.acked.set_exception(
                     TimeoutError(
                         f"no ack for {event_tag(pending.event)} of {pending.event.request_id} "
-                        f"within {self.config.publish_give_up_s:.0f} s of publishing it, "
-                        f"retried every {self.config.publish_ack_timeout_s:.1f} s"
+                        f"within {self.config.publish_give_up_s:.0f} s of publishing it "
+                        f"(published again after {self.config.publish_ack_timeout_s:.1f} s, "
+                        f"then at most every {PUBLISH_RETRY_MAX_S:.0f} s)"
                     )
                 )
                 continue
-            pending.due = now + self.config.publish_ack_timeout_s
+            pending.wait_s = min(
+                2 * pending.wait_s, max(PUBLISH_RETRY_MAX_S, self.config.publish_ack_timeout_s)
+            )
+            pending.due = min(now + pending.wait_s, pending.give_up)
             try:
                 subject, payload, headers = pending.message
                 pending.sent = await self.js.publish_async(subject, payload, headers=headers)

@@ -237,6 +237,21 @@ class NatsCluster:
                         return leader
         return None
 
+    def consumer_leaders(self) -> dict[str, str]:
+        """`stream/durable` -> the node leading that durable consumer's raft group (each has its
+        own, apart from its stream's: a node that leads no stream may still lead consumers).
+        Ephemeral consumers (replays, KV reads) are left out."""
+        found: dict[str, str] = {}
+        for jsz in self._jsz("?consumers=true&config=true"):
+            for account in jsz.get("account_details") or []:
+                for detail in account.get("stream_detail") or []:
+                    for consumer in detail.get("consumer_detail") or []:
+                        leader = (consumer.get("cluster") or {}).get("leader")
+                        durable = (consumer.get("config") or {}).get("durable_name")
+                        if durable and leader and self._running(leader):
+                            found.setdefault(f"{detail['name']}/{consumer['name']}", leader)
+        return found
+
     def follower(self, *streams: str) -> str:
         """A running node that leads neither the meta group nor any of `streams`."""
         leaders = {self.meta_leader(), *(self.stream_leader(s) for s in streams)}

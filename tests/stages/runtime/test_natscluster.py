@@ -1,6 +1,7 @@
 """The local three-node cluster: routed nodes on distinct loopback ports, one meta leader, R3
 streams whose leader /jsz reports as JetStream's own stream info does, and a node killed and
-started again on its ports and store, with the stream's messages still there."""
+started again on its ports and store, with the stream's messages still there; each consumer's
+own leader too."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ async def test_leaders_are_found_and_a_node_comes_back_on_its_ports_and_store(tm
             await js.publish(f"t.{i}", b"x")
         info = await js.stream_info("T")
         assert cluster.stream_leader("T") == info.cluster.leader
+        for name in ("d1", "d2"):
+            config = api.ConsumerConfig(durable_name=name, ack_policy=api.AckPolicy.EXPLICIT)
+            await js.add_consumer("T", config)
+        ephemeral = await js.pull_subscribe("t.>", stream="T")  # a replay's: not counted
+        consumers = cluster.consumer_leaders()
+        assert set(consumers) == {"T/d1", "T/d2"}
+        await ephemeral.unsubscribe()
+        assert consumers["T/d1"] == (await js.consumer_info("T", "d1")).cluster.leader
         follower = cluster.follower("T")
         assert follower not in (info.cluster.leader, cluster.meta_leader())
         old_pid = cluster.node(follower).pid
