@@ -254,12 +254,16 @@ def _free_port() -> int:
 
 def poisons() -> list[tuple[str, bytes]]:
     """(subject, payload): too deep, truncated, wrong types, not UTF-8, huge, on every subject."""
-    from schemas import subjects
+    from schemas import models, subjects
 
     deep = b"[" * 1000 + b"]" * 1000
     out = []
     for tag in ("submit", *EVENT_SUBJECT_TAGS):
-        subject = subjects.SUBMIT if tag == "submit" else subjects.event_subject("chaos-x", tag)
+        # a routed event's poison goes where its consumers read: the default model's subject
+        route = models.default().token if tag in subjects.ROUTED_EVENTS else None
+        subject = (
+            subjects.SUBMIT if tag == "submit" else subjects.event_subject("chaos-x", tag, route)
+        )
         t = tag.encode()
         out += [
             (subject, b'{"request_id": "chaos-deep-' + t + b'", "x": ' + deep + b"}"),
