@@ -10,7 +10,7 @@ import argparse
 import anyio
 import pytest
 
-from schemas import subjects
+from schemas import models, subjects
 from stages.runtime.bus import Bus
 from stages.runtime.natscluster import NatsCluster
 from tools import chaos
@@ -34,8 +34,9 @@ def test_the_table_has_a_row_per_fault_and_every_column() -> None:
 def test_poison_reaches_llm_in_and_every_event_subject() -> None:
     found = {subject for subject, _ in chaos.poisons()}
     assert subjects.SUBMIT in found
-    for tag in chaos.EVENT_SUBJECT_TAGS:
-        assert subjects.event_subject("chaos-x", tag) in found
+    for tag in chaos.EVENT_SUBJECT_TAGS:  # a routed one on the default model's subject
+        route = models.default().token if tag in subjects.ROUTED_EVENTS else None
+        assert subjects.event_subject("chaos-x", tag, route) in found
 
 
 @pytest.mark.nats
