@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 import httpx
+import msgspec
 import pytest
 import websockets
 
@@ -25,10 +26,11 @@ from schemas.events import (
     RunCompleted,
     TokensGenerated,
 )
-from stages.edge.deadline import DEADLINE_HEADER, requested
+from stages.edge.deadline import DEADLINE_HEADER, deadline_for, requested
 from stages.edge.errors import RequestError
 from stages.runtime import natsd
 from stages.runtime.bus import Bus, BusConfig
+from stages.tenancy import tenants
 from tests.stages.edge_harness import ACME_KEY, MODEL, keyring_for_tests, running_edge
 from tools.stage import serve_stage
 
@@ -98,6 +100,22 @@ def test_the_request_s_own_deadline_is_checked():
         with pytest.raises(RequestError) as info:
             requested(bad, None)
         assert info.value.field == DEADLINE_HEADER and info.value.code == "invalid_request"
+
+
+def test_the_request_s_deadline_wins_then_its_tenant_s_then_the_edge_s(tmp_path):
+    assert deadline_for(2.0, 30.0, 300.0) == 2.0
+    assert deadline_for(None, 30.0, 300.0) == 30.0
+    assert deadline_for(None, None, 300.0) == 300.0
+    keys = keyring_for_tests(tmp_path)  # acme and globex in a real tenants.toml
+    path = tmp_path / "tenants.toml"
+    file = tenants.read_file(path)
+    file.tenants["acme"] = msgspec.structs.replace(file.tenants["acme"], deadline_s=30.0)
+    tenants.write_file(path, file)
+    acme = keys.lookup(ACME_KEY)
+    assert acme is not None and acme.deadline_s == 30.0
+    path.write_text(path.read_text().replace("deadline_s = 30.0", "deadline_s = 0.0"))
+    with pytest.raises(ValueError, match="deadline_s"):  # a deadline is > 0
+        tenants.read_file(path)
 
 
 async def test_requests_wait_for_an_engine_within_their_deadline(tmp_path, monkeypatch):
