@@ -532,10 +532,11 @@ def spec(
     admission: AdmissionConfig | None = None,
     model: models.ServedModel | None = None,
 ) -> StageSpec:
-    """The engine stage; with `engine` (tests, benches) it serves that one instead of loading.
-    With `model` it is bound to that model: it consumes only the `tokenized` events routed to it
-    (llm.ev.*.tokenized.<its token>, a durable per model) and announces it. Without, it
-    consumes the unrouted ones (events that name no model: tests of the stage alone)."""
+    """The engine stage, bound to one model: `model`, else BRIGADE_ENGINE_MODEL's (by default
+    BRIGADE_MODEL's first). It consumes only the `tokenized` events routed to that model
+    (llm.ev.*.tokenized.<its token>, through the model's own durable) and announces it. With
+    `engine` (tests, benches) it serves that one instead of loading the model's artifact."""
+    bound = model if model is not None else models.engine_model()
 
     async def setup(ctx: StageContext) -> Any:
         # step() runs in a thread and holds the GIL between torch ops; a short switch interval
@@ -543,16 +544,16 @@ def spec(
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         if engine is not None:
             return engine
-        return await anyio.to_thread.run_sync(load_engine, model)
+        return await anyio.to_thread.run_sync(load_engine, bound)
 
     def service(ctx: StageContext, loaded: Any) -> EngineStage:
         config = admission or AdmissionConfig(max_active=loaded.config.max_num_seqs)
-        return EngineStage(loaded, ctx, config, model=model)
+        return EngineStage(loaded, ctx, config, model=bound)
 
     return StageSpec(
         name=STAGE,
         input_event="tokenized",
-        route=model.token if model is not None else None,
+        route=bound.token,
         decoder=decoder_for(PromptTokenized),
         service=service,
         setup=setup,
@@ -564,7 +565,7 @@ def spec(
     )
 
 
-SPEC = spec()  # unrouted: `brigade stage engine` serves through serve(), bound to its model
+SPEC = spec()  # bound when imported; `brigade stage engine` binds at its start (serve)
 
 
 async def serve(*, config: Any, stop: Any, ready: Any = None, handle_signals: bool = True) -> None:

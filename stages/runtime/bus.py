@@ -24,7 +24,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
-from schemas import settings, subjects
+from schemas import models, settings, subjects
 from schemas.events import AnyEvent, Event, Submit, SubmitReply, decode_event, encode
 from stages.runtime import natsd
 from stages.runtime.failures import bus_unavailable
@@ -443,8 +443,10 @@ class Bus:
         if event.ts_ns == 0:
             event = msgspec.structs.replace(event, ts_ns=time.time_ns())
         seq = getattr(event, "seq", None)
-        model = getattr(event, "model", None) if tag in subjects.ROUTED_EVENTS else None
-        route = None if model is None else subjects.model_token(model)
+        # a routed event goes to its model's engine workers (none named: the default model's)
+        route = None
+        if tag in subjects.ROUTED_EVENTS:
+            route = subjects.model_token(getattr(event, "model", None) or models.default().id)
         return (
             subjects.event_subject(event.request_id, tag, route),
             encode(event),

@@ -105,7 +105,9 @@ async def test_tokens_match_the_engine_alone_with_seeds_and_context(bus_config, 
         await bus.publish(tokenized("noseed", prompt, temperature=0.8, max_tokens=2, stop=["xyz"]))
         got |= await events_until_end(sub, {"noseed"})
         with anyio.fail_after(10):  # the ack follows the stored `finished`
-            while (info := await bus.js.consumer_info(EVENTS, "brigade-engine")).num_ack_pending:
+            while (
+                info := await bus.js.consumer_info(EVENTS, "brigade-engine-smollm2-135m")
+            ).num_ack_pending:
                 await anyio.sleep(0.02)
     tokens = [e for e in got["seeded"] if isinstance(e, TokensGenerated)]
     assert [e.seq for e in tokens] == [0, 1, 2, 3]
