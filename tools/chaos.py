@@ -366,11 +366,56 @@ async def _first_tokens(config, timeout_s: float = 60.0) -> None:
         await bus.close()
 
 
-async def audit(fault: str, config, outcomes: list[Outcome], baseline: dict[int, str]) -> Row:
-    """Each outcome against what the log holds for its run (waiting up to 60 s for its end)."""
+async def _accepted_ids(config) -> set[str] | None:
+    """The request ids with an `accepted` event in the log now (None: the log cannot say)."""
+    from schemas import subjects
+    from stages.runtime.bus import Bus
+
+    try:
+        bus = await Bus.connect(config)
+        try:
+            info = await bus.js.stream_info(
+                subjects.EVENTS_STREAM, subjects_filter=subjects.all_events("accepted")
+            )
+        finally:
+            await bus.close()
+    except Exception:  # noqa: BLE001 - mid-election: this fault's unseen runs are not counted
+        return None
+    return {subject.split(".")[2] for subject in info.state.subjects or {}}
+
+
+async def _settled(bus, rid: str, refused: bool = False) -> list:
+    """The run's events once it has an end and its bill (or 60 s); `refused`: its client got an
+    HTTP error, and a run with no event at all is settled too."""
     import anyio
 
-    from schemas.events import RequestFailed, RunBilled, RunCancelled, RunCompleted, TextGenerated
+    from schemas.events import RequestFailed, RunBilled, RunCancelled, RunCompleted
+
+    events: list = []
+    with anyio.move_on_after(60.0):
+        while True:
+            events = await bus.replay(rid)
+            ends = [e for e in events if isinstance(e, RunCompleted | RunCancelled | RequestFailed)]
+            if ends and any(isinstance(e, RunBilled) for e in events) or (refused and not events):
+                return events
+            await anyio.sleep(0.5)
+    return events
+
+
+async def audit(fault: str, config, outcomes: list[Outcome], baseline: dict[int, str],
+                unseen: set[str] | None = None) -> Row:  # fmt: skip
+    """Each outcome against what the log holds for its run (waiting up to 60 s for its end).
+    `unseen`: runs accepted while this load ran, whose clients never learnt their id (cut
+    before the answer's headers): each client was told it failed, so each of them billed as
+    completed counts as told failed but billed, and one never ended as lost."""
+    from schemas.events import (
+        RequestAccepted,
+        RequestFailed,
+        RunBilled,
+        RunCancelled,
+        RunCompleted,
+        TextGenerated,
+    )
     from stages.runtime.bus import Bus
 
     row = Row(fault=fault, sent=len(outcomes))
@@ -388,16 +433,7 @@ async def audit(fault: str, config, outcomes: list[Outcome], baseline: dict[int,
                 row.errors[told] = row.errors.get(told, 0) + 1
             if o.rid is None:
                 continue
-            events: list = []
-            with anyio.move_on_after(60.0):
-                while True:
-                    events = await bus.replay(o.rid)
-                    ends = [e for e in events if isinstance(e, RunCompleted | RunCancelled
-                                                               | RequestFailed)]  # fmt: skip
-                    billed = [e for e in events if isinstance(e, RunBilled)]
-                    if ends and billed or (o.status not in (200, None) and not events):
-                        break
-                    await anyio.sleep(0.5)
+            events = await _settled(bus, o.rid, refused=o.status not in (200, None))
             ends = [e for e in events if isinstance(e, RunCompleted | RunCancelled | RequestFailed)]
             accepted = any(type(e).__name__ == "RequestAccepted" for e in events)
             row.lost += int(accepted and not ends)
@@ -412,6 +448,15 @@ async def audit(fault: str, config, outcomes: list[Outcome], baseline: dict[int,
             told_failed = not o.completed
             row.told_failed_but_billed += int(told_failed and any(s == "completed"
                                                                    for _, s in billed))  # fmt: skip
+        for rid in sorted((unseen or set()) - {o.rid for o in outcomes}):
+            events = await _settled(bus, rid)
+            if not any(isinstance(e, RequestAccepted) for e in events):
+                continue  # a poison on an `accepted` subject, not a run
+            ends = [e for e in events if isinstance(e, RunCompleted | RunCancelled | RequestFailed)]
+            row.lost += int(not ends)
+            billed = {(e.billing_key, e.status) for e in events if isinstance(e, RunBilled)}
+            row.billed_twice += int(len({key for key, _ in billed}) > 1)
+            row.told_failed_but_billed += int(any(s == "completed" for _, s in billed))
     finally:
         await bus.close()
     return row
@@ -487,9 +532,11 @@ async def run_faults(deploy: Deployment, faults: tuple[str, ...], n: int, max_to
     config = deploy.config()
     killed: set[int] = set()
     await _wait_ready(deploy, stages, killed)
+    before = await _accepted_ids(config)
     outcomes = await drive(deploy.edge_url, config, n, max_tokens, None)
     baseline = {o.prompt: o.text for o in outcomes if o.completed}
-    rows = [await audit("none (baseline)", config, outcomes, baseline)]
+    rows = [await audit("none (baseline)", config, outcomes, baseline,
+                        _new(before, await _accepted_ids(config)))]  # fmt: skip
     report(rows[-1])
     for fault in faults:
         if fault.startswith("kill:"):
@@ -514,12 +561,17 @@ async def run_faults(deploy: Deployment, faults: tuple[str, ...], n: int, max_to
         else:
             raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(CLUSTER_FAULTS)}")
         early = fault in EARLY_FAULTS
+        before = await _accepted_ids(config)
         outcomes = await drive(deploy.edge_url, config, n, max_tokens, strike, early)
         rows.append(await audit(label if fault in NODE_FAULTS else fault, config, outcomes,
-                                baseline))  # fmt: skip
+                                baseline, _new(before, await _accepted_ids(config))))  # fmt: skip
         report(rows[-1])
         await _wait_ready(deploy, stages, killed)
     return rows
+
+
+def _new(before: set[str] | None, after: set[str] | None) -> set[str] | None:
+    return None if before is None or after is None else after - before
 
 
 COLUMNS = ("fault", "sent", "completed", "failed_clear", "lost", "duplicated_text",
