@@ -192,10 +192,12 @@ class Deployment:
         time.sleep(down_s)
         self.server = natsd.start(self.data_dir / "nats", port=port)
 
-    def node_to_kill(self, fault: str) -> tuple[str, str]:
+    async def node_to_kill(self, fault: str) -> tuple[str, str]:
         """(node, what it leads) for a `nats-node:*` fault, read from the nodes as it strikes: the
         meta group, Brigade's streams and how many consumers (each consumer has its own leader,
         and a stage's input stalls while its consumer elects one)."""
+        import anyio
+
         from schemas import subjects
 
         c = self.cluster
@@ -203,17 +205,17 @@ class Deployment:
             raise RuntimeError(f"{fault} needs the cluster: run brigade chaos --cluster")
         streams = {"events": subjects.EVENTS_STREAM, "in": subjects.SUBMIT_STREAM}
         which = fault.removeprefix("nats-node:")
-        deadline = time.monotonic() + 30.0
-        while True:  # a leader just killed is being replaced: wait for the election
-            if which == "follower":
-                node = c.follower(*streams.values())
-            elif which == "meta-leader":
-                node = c.meta_leader()
-            else:
-                node = c.stream_leader(streams[which.removesuffix("-leader")])
-            if node is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        node = None
+        with anyio.move_on_after(30.0):
+            while node is None:  # a leader just killed is being replaced: wait for the election
+                if which == "follower":
+                    node = await self._follower(tuple(streams.values()))
+                elif which == "meta-leader":
+                    node = c.meta_leader()
+                else:
+                    node = c.stream_leader(streams[which.removesuffix("-leader")])
+                if node is None:
+                    await anyio.sleep(0.1)
         if node is None:
             raise RuntimeError(f"{fault}: no running node leads it after 30 s")
         led = [name for name, leader in (("meta", c.meta_leader()),
@@ -221,6 +223,40 @@ class Deployment:
         consumers = c.consumer_leaders()
         num_led = sum(leader == node for leader in consumers.values())
         return node, f"{', '.join(led) or 'no stream'}; {num_led} of {len(consumers)} consumers"
+
+    async def _follower(self, streams: tuple[str, ...]) -> str | None:
+        """A node leading neither the meta group nor `streams`. When the three are led by three
+        nodes, the streams' leadership moves to the meta leader first (a leader stepdown with a
+        preferred successor: a transfer of milliseconds, no election timeout)."""
+        import anyio
+
+        from stages.runtime.bus import Bus
+
+        c = self.cluster
+        assert c is not None, "node faults run on the cluster"
+        try:
+            return c.follower(*streams)
+        except RuntimeError:
+            pass
+        meta = c.meta_leader()
+        if meta is None:
+            return None
+        bus = await Bus.connect(self.config())
+        try:
+            for stream in streams:
+                if c.stream_leader(stream) not in (meta, None):
+                    await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
+                                         json.dumps({"placement": {"preferred": meta}}).encode(),
+                                         timeout=5.0)  # fmt: skip
+        finally:
+            await bus.close()
+        with anyio.move_on_after(5.0):
+            while any(c.stream_leader(s) != meta for s in streams):
+                await anyio.sleep(0.05)
+        try:
+            return c.follower(*streams)
+        except RuntimeError:
+            return None
 
     def kill_node(self, node: str) -> None:
         """SIGKILL one node; start it again on its ports and store after node_down_s."""
@@ -297,17 +333,22 @@ async def stream_one(http, i: int, max_tokens: int) -> Outcome:
                 return out
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
-                    continue
-                out.arrivals.append(time.monotonic())
+                    continue  # keep-alive comments are not pieces
                 if line == "data: [DONE]":
+                    out.arrivals.append(time.monotonic())
                     out.done = True
                     continue
                 chunk = json.loads(line.removeprefix("data: "))
                 if "error" in chunk:
+                    out.arrivals.append(time.monotonic())
                     out.error = chunk["error"]
                     continue
-                for choice in chunk["choices"]:
-                    out.text += choice["delta"].get("content") or ""
+                # Only text or an end is a piece: the role chunk may come early, with the 200
+                # the edge answers once a keep-alive is due, and a stall still goes on after it.
+                text = "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+                if text or any(c.get("finish_reason") for c in chunk["choices"]):
+                    out.arrivals.append(time.monotonic())
+                out.text += text
     except Exception as err:  # noqa: BLE001 - a cut connection is an outcome, not a crash
         out.error = out.error or {"code": None, "message": f"{type(err).__name__}: {err}"}
     return out
@@ -553,7 +594,7 @@ async def run_faults(deploy: Deployment, faults: tuple[str, ...], n: int, max_to
             async def strike() -> None:
                 await _poison(config)
         elif fault in NODE_FAULTS:
-            node, led = deploy.node_to_kill(fault)
+            node, led = await deploy.node_to_kill(fault)
             label = f"{fault} ({node}: leads {led})"
 
             async def strike(node: str = node) -> None:

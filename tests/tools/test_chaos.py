@@ -6,6 +6,7 @@ failed. Plus the table and the stall arithmetic."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import anyio
 import pytest
@@ -69,29 +70,41 @@ def test_node_faults_need_the_cluster(capsys) -> None:
 
 @pytest.mark.nats
 def test_each_node_fault_picks_the_node_that_leads_what_it_names(tmp_path) -> None:
-    """On a three-node cluster with Brigade's R3 streams: the follower leads nothing, the others
-    lead what their name says, as JetStream's own stream info reports it."""
+    """On a three-node cluster with Brigade's R3 streams: the follower leads no stream and not
+    the meta group (made so when three nodes lead the three), the others lead what their name
+    says, as JetStream's own stream info reports it."""
     deploy = chaos.Deployment(tmp_path, ack_wait_s=3.0, cluster=True)
     deploy.cluster = NatsCluster(tmp_path / "nats-cluster").start()
 
-    async def leaders() -> dict[str, str]:
+    async def check() -> None:
         bus = await Bus.connect(deploy.config())
         try:
             assert bus.config.replicas == 3
             await bus.ensure_streams()
-            return {s: (await bus.js.stream_info(s)).cluster.leader
-                    for s in (subjects.EVENTS_STREAM, subjects.SUBMIT_STREAM)}  # fmt: skip
+            streams = (subjects.EVENTS_STREAM, subjects.SUBMIT_STREAM)
+            # the meta group and both streams led by three nodes: none leads nothing yet
+            others = [n.name for n in deploy.cluster.nodes
+                      if n.name != deploy.cluster.meta_leader()]  # fmt: skip
+            for stream, node in zip(streams, others, strict=True):
+                await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
+                                     json.dumps({"placement": {"preferred": node}}).encode())  # fmt: skip
+            with anyio.fail_after(10):
+                while len({deploy.cluster.meta_leader(), *map(deploy.cluster.stream_leader,
+                                                               streams)}) < 3:  # fmt: skip
+                    await anyio.sleep(0.05)
+            node, what = await deploy.node_to_kill("nats-node:follower")
+            led = {s: (await bus.js.stream_info(s)).cluster.leader for s in streams}
+            meta = deploy.cluster.meta_leader()
+            assert what.startswith("no stream; ") and node not in {meta, *led.values()}
+            assert (await deploy.node_to_kill("nats-node:meta-leader"))[0] == meta
+            node, what = await deploy.node_to_kill("nats-node:events-leader")
+            assert node == led[subjects.EVENTS_STREAM] and subjects.EVENTS_STREAM in what
+            in_leader = (await deploy.node_to_kill("nats-node:in-leader"))[0]
+            assert in_leader == led[subjects.SUBMIT_STREAM]
         finally:
             await bus.close()
 
     try:
-        led = anyio.run(leaders)
-        meta = deploy.cluster.meta_leader()
-        node, what = deploy.node_to_kill("nats-node:follower")
-        assert what.startswith("no stream; ") and node not in {meta, *led.values()}
-        assert deploy.node_to_kill("nats-node:meta-leader")[0] == meta
-        node, what = deploy.node_to_kill("nats-node:events-leader")
-        assert node == led[subjects.EVENTS_STREAM] and subjects.EVENTS_STREAM in what
-        assert deploy.node_to_kill("nats-node:in-leader")[0] == led[subjects.SUBMIT_STREAM]
+        anyio.run(check)
     finally:
         deploy.stop()
