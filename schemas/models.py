@@ -77,6 +77,12 @@ def find(models: tuple[ServedModel, ...], name: str | None) -> ServedModel | Non
     return next((m for m in models if m.id == name), None)
 
 
+def not_served(name: str | None, served_models: tuple[ServedModel, ...]) -> str:
+    """Why a request for `name` is refused (`model_not_found`), naming what is served."""
+    ids = ", ".join(m.id for m in served_models)
+    return f"the model {(name or '')[:100]!r} is not served here; served: {ids}"
+
+
 def engine_model(environ: Mapping[str, str] | None = None) -> ServedModel:
     """The one model this engine worker serves: BRIGADE_ENGINE_MODEL, an id of BRIGADE_MODEL
     (a worker of a model the pipeline does not list would get no request); unset, the first."""

@@ -49,8 +49,8 @@ async def _by_model(
     """Each request is fitted with its own model's template, tokens and window."""
     state = states.get(event.request.model)
     if state is None:
-        served = ", ".join(m for m in states if m is not None)
-        raise StageError("model_not_found", f"the model {(event.request.model or '')[:100]!r} is not served here; served: {served}", field="model")  # fmt: skip
+        why = models.not_served(event.request.model, models.served())
+        raise StageError("model_not_found", why, field="model")
     return await handle(event, state)
 
 

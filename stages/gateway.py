@@ -55,12 +55,7 @@ def served_model_id(name: str | None) -> str:
     served = models.served()
     found = models.find(served, name)
     if found is None:
-        raise StageError(
-            "model_not_found",
-            f"the model {(name or '')[:100]!r} is not served here; served: "
-            f"{', '.join(m.id for m in served)}",
-            field="model",
-        )
+        raise StageError("model_not_found", models.not_served(name, served), field="model")
     return found.id
 
 

@@ -44,12 +44,7 @@ def model_tokenizer(model: str | None) -> Tokenizer:
     served = models.served()
     found = models.find(served, model)
     if found is None:
-        raise StageError(
-            "model_not_found",
-            f"the model {(model or '')[:100]!r} is not served here; served: "
-            f"{', '.join(m.id for m in served)}",
-            field="model",
-        )
+        raise StageError("model_not_found", models.not_served(model, served), field="model")
     return tokenizer_for(found.artifact)
 
 

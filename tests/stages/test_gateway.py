@@ -143,6 +143,23 @@ def test_accepted_normalizes_and_hashes_the_key() -> None:
         True, [], [5, 6, 7])  # fmt: skip
 
 
+def test_the_request_names_a_served_model_or_fails_model_not_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """None: the default (BRIGADE_MODEL's first); an id: that model; any other name fails at
+    once, naming what is served, rather than waiting for an engine nobody runs."""
+    monkeypatch.setenv("BRIGADE_MODEL", "smollm2-135m,tiny=/models/tiny")
+    default = submit_result(b'{"prompt": "Hi"}')
+    tiny = submit_result(b'{"prompt": "Hi", "model": "tiny"}')
+    assert isinstance(default, RequestAccepted) and isinstance(tiny, RequestAccepted)
+    assert (default.request.model, tiny.request.model) == ("smollm2-135m", "tiny")
+    for name in ("gpt-4o", "/models/tiny"):  # an artifact is not an id
+        out = submit_result(b'{"prompt": "Hi", "model": "' + name.encode() + b'"}')
+        assert isinstance(out, RequestFailed)
+        assert (out.code, out.field, out.stage) == ("model_not_found", "model", "gateway")
+        assert out.message == f"the model {name!r} is not served here; served: smollm2-135m, tiny"
+
+
 @pytest.mark.anyio
 async def test_gateway_answers_on_the_reply_inbox(bus_config: BusConfig) -> None:
     stop, ready = anyio.Event(), anyio.Event()

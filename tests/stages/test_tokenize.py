@@ -111,3 +111,26 @@ def test_stop_token_ids_must_be_the_models(tok) -> None:
     fine = Request(messages=req.messages, sampling=Sampling(logit_bias={49151: 100}))
     (out,) = tokenize.handle(assembled(fine), lambda _model: tok)
     assert out.sampling.logit_bias == {49151: 100.0}
+
+
+def test_each_request_gets_its_own_models_template_and_ids(tok, tmp_path, monkeypatch) -> None:
+    """Two served models with different tokenizers and templates: the request's model picks
+    them, and the event names that model, which routes it to its engines."""
+    from tests.engine.tiny_llama import write_tiny_llama
+
+    tiny_dir = write_tiny_llama(tmp_path / "tiny")  # a word-level vocabulary, its own template
+    monkeypatch.setenv("BRIGADE_MODEL", f"smollm2-135m,tiny={tiny_dir}")
+    messages = [Message(role="user", content="w1 w2")]
+    (smol,) = tokenize.handle(assembled(Request(messages=messages)), tokenize.model_tokenizer)
+    (tiny,) = tokenize.handle(
+        assembled(Request(messages=messages, model="tiny")), tokenize.model_tokenizer
+    )
+    assert (smol.model, tiny.model) == ("smollm2-135m", "tiny")  # none named: the default
+    assert smol.prompt_token_ids == tok.encode_chat([{"role": "user", "content": "w1 w2"}],
+                                                    add_generation_prompt=True)  # fmt: skip
+    # <|im_start|> user w1 w2 <|im_end|> <|im_start|> assistant, in its own vocabulary
+    assert tiny.prompt_token_ids == [1, 3, 7, 8, 2, 1, 4]
+    with pytest.raises(StageError) as info:
+        tokenize.handle(assembled(Request(messages=messages, model="gpt-4o")),
+                        tokenize.model_tokenizer)  # fmt: skip
+    assert (info.value.code, info.value.field) == ("model_not_found", "model")
