@@ -4,6 +4,11 @@ the engine's prompt logprobs of one run per candidate. No cross-encoder ships of
 model "does the passage answer the question, yes or no" was measured worse than no reranking
 (docs/benchmarks.md), so the score is the likelihood of the question itself.
 
+The final order interpolates the two evidences: each candidate's query likelihood and its
+hybrid (reciprocal rank fusion) score, each z-scored over the candidates, at equal weight
+(`RERANK_WEIGHT`, fixed a priori, not tuned on the benchmark's questions). The likelihood of
+a 135M model alone demoted passages both retrievers ranked first (docs/benchmarks.md).
+
 `BusReranker` runs the candidates as nested runs through the pipeline, as stages/summarize.py
 does (an `authorized` event per candidate under an id derived from the parent's, so the engine
 batches them and the log keeps them), and reads the first `tokens` event's prompt logprobs.
@@ -14,6 +19,7 @@ batches them and the log keeps them), and reads the first `tokens` event's promp
 from __future__ import annotations
 
 import hashlib
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -55,6 +61,26 @@ def query_likelihood(prompt_logprobs: Sequence[Sequence[tuple[int, float]]], sta
     own = [entry[0][1] for entry in prompt_logprobs[start - 1 :]]
     assert own, f"no query tokens after position {start}"
     return sum(own) / len(own)
+
+
+RERANK_WEIGHT = 0.5  # the likelihood's share of the final score; the hybrid score has the rest
+
+
+def _z(values: Sequence[float]) -> list[float]:
+    if not values:
+        return []
+    mean, std = statistics.fmean(values), statistics.pstdev(values)
+    return [(v - mean) / std if std > 0 else 0.0 for v in values]
+
+
+def reranked_order(
+    fused: Sequence[float], likelihood: Sequence[float], weight: float = RERANK_WEIGHT
+) -> list[int]:
+    """Candidate indices best first by `weight * z(likelihood) + (1 - weight) * z(fused)`; ties
+    keep the fused order (the candidates arrive best fused first)."""
+    assert len(fused) == len(likelihood), (len(fused), len(likelihood))
+    score = [weight * r + (1 - weight) * f for r, f in zip(_z(likelihood), _z(fused), strict=True)]
+    return sorted(range(len(score)), key=lambda i: (-score[i], i))
 
 
 def nested_id(parent: str, i: int) -> str:

@@ -1,7 +1,8 @@
 """Retrieval for one request, in the context stage: embed the query, hybrid search over the
-tenant's collections for top_k x over_retrieve candidates, rerank them with the served model,
-then pack whole chunks into the room the fitted request leaves. The `assembled` event's
-`retrieval` records every candidate's scores and fate.
+tenant's collections for top_k x over_retrieve candidates, rerank them with the served model
+(its query likelihood interpolated with the hybrid score: rerank.py), then pack whole chunks
+into the room the fitted request leaves. The `assembled` event's `retrieval` records every
+candidate's scores and fate, in the reranked order.
 
 The embedding model (torch) loads on the first request that asks for retrieval, so a context
 stage that never retrieves stays light.
@@ -23,8 +24,8 @@ from schemas.events import (
     RetrievedChunk,
 )
 from stages.fit import Costs, assembled, fit
-from stages.retrieval.pack import Packed, pack
-from stages.retrieval.rerank import BusReranker, RerankFailed
+from stages.retrieval.pack import BlockCounts, Packed, pack
+from stages.retrieval.rerank import BusReranker, RerankFailed, reranked_order
 from stages.retrieval.search import Candidate, Indexes
 from stages.retrieval.store import Store
 
@@ -93,6 +94,7 @@ class Retriever:
         self.reranker = reranker
         self._embedder = embedder
         self._loading = anyio.Lock()
+        self._counts: BlockCounts | None = None  # the chunks' block counts, for one Costs
 
     async def embedder(self) -> QueryEmbedder:
         async with self._loading:
@@ -131,7 +133,7 @@ class Retriever:
             return found, time.perf_counter_ns() - start, str(err)
         for c, s in zip(found, scores, strict=True):
             c.rerank_score = s
-        order = sorted(range(len(found)), key=lambda i: (-scores[i], i))  # ties: fused order
+        order = reranked_order([c.fused_score for c in found], scores)
         return [found[i] for i in order], time.perf_counter_ns() - start, None
 
     async def assemble(
@@ -142,7 +144,9 @@ class Retriever:
         plain = fit(event.request, costs, budget)
         found, search_ns = await self.candidates(event)
         ranked, rerank_ns, fallback = await self.rerank(event, found)
-        packed = pack(plain, ranked, costs, budget, retrieval.top_k)
+        if self._counts is None or self._counts.costs is not costs:
+            self._counts = BlockCounts(costs)
+        packed = pack(plain, ranked, costs, budget, retrieval.top_k, self._counts)
         out = assembled(event, packed.fit, budget)
         record = trace(
             list(retrieval.collections),
