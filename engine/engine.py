@@ -422,6 +422,10 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
+    def request_ids(self) -> list[str]:
+        """The requests this engine holds now (waiting or running), in arrival order."""
+        return list(self._seqs)
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(

@@ -127,6 +127,8 @@ class EngineStage(InputService):
         self._to_abort: set[str] = set()
         self._step_reported = False  # this step's first tokens event is out (it carries the size)
         self._work = anyio.Event()  # new work for the step loop
+        self._num_admitted = 0  # requests admitted so far, and their prompt tokens: the mean
+        self._num_admitted_tokens = 0  # request's size, by which capacity() pulls
         self.step_tokens = StepTokens()  # every step's size, for the edge's iteration_tokens
         # tokens per event: one while detokenize keeps up, more while it lags (engine_stream.py)
         self.stream = StreamInterval(self.bus, StreamConfig.from_env())
@@ -134,7 +136,9 @@ class EngineStage(InputService):
     # ---- admission ----
 
     def capacity(self) -> int:
-        """How many `tokenized` inputs to take now (0: wait for KV room or a free slot)."""
+        """How many `tokenized` inputs to take now (0: wait for KV room or a free slot): as
+        many as fit in the free blocks at the mean size of the requests admitted so far, so a
+        worker holds no request its KV cannot start while another worker may have room."""
         stats = self.engine.stats()
         bm = self.engine.block_manager
         reserved = sum(
@@ -142,12 +146,16 @@ class EngineStage(InputService):
             for r in self.runs.values()
             if r.first_token_ns is None
         )
+        mean = self._num_admitted_tokens // max(1, self._num_admitted)
+        # before the first request its size is unknown: one at a time (the whole cache's worth)
+        per_request = bm.num_blocks_for(mean + 1) if self._num_admitted else stats.num_total_blocks
         return admission_room(
             num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks,
             reserved_blocks=reserved,
             num_active=len(self.runs),
             config=self.admission,
+            blocks_per_request=per_request,
         )
 
     def health(self) -> dict[str, Any]:
@@ -179,6 +187,8 @@ class EngineStage(InputService):
             await self._finish(run, "abort", num_prompt_tokens=0, seed=None)
             return
         run.params = sampling_params(event.sampling, rid)
+        self._num_admitted += 1
+        self._num_admitted_tokens += len(event.prompt_token_ids)
         if held.num_delivered > 1 and not await self._recover(run):
             return
         self.runs[rid] = run

@@ -26,6 +26,20 @@ def test_admission_room_counts_reserved_blocks_and_bounds():
     assert admission_room(num_free_blocks=5, reserved_blocks=6, num_active=1, **room) == 0
 
 
+def test_admission_room_pulls_only_the_requests_that_fit():
+    """At 3 blocks a request, 10 free blocks hold 3 more (not max_fetch), 2 hold none; an
+    idle worker takes one even when a request is bigger than its whole cache."""
+    config = AdmissionConfig(max_active=8, kv_watermark=0.95, max_fetch=4)
+    room = dict(num_total_blocks=16, config=config, blocks_per_request=3)
+    assert admission_room(num_free_blocks=16, reserved_blocks=0, num_active=0, **room) == 4
+    assert admission_room(num_free_blocks=13, reserved_blocks=3, num_active=1, **room) == 3
+    assert admission_room(num_free_blocks=10, reserved_blocks=8, num_active=2, **room) == 0
+    assert admission_room(num_free_blocks=9, reserved_blocks=0, num_active=2, **room) == 3
+    big = dict(room, blocks_per_request=40)
+    assert admission_room(num_free_blocks=16, reserved_blocks=0, num_active=0, **big) == 1
+    assert admission_room(num_free_blocks=16, reserved_blocks=0, num_active=1, **big) == 0
+
+
 def test_seeds_are_fixed_by_the_request_id():
     assert derived_seed("r1") == derived_seed("r1") != derived_seed("r2")
     assert 0 <= derived_seed("r1") < 2**63
