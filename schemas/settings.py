@@ -480,7 +480,8 @@ EDGE_MAX_WAIT_S = declare(Setting[float](
 ))  # fmt: skip
 EDGE_MODEL_ALIASES = declare(Setting[tuple[str, ...]](
     name="BRIGADE_EDGE_MODEL_ALIASES", kind="csv", default=(), default_text="none",
-    help="other names the edge accepts in `model` for the served model, comma-separated",
+    help="other names the edge accepts in `model`, comma-separated: `alias` (for the default "
+    "model) or `alias=id` (for the served model of that id)",
     readers=("edge",),
 ))  # fmt: skip
 EDGE_KV_WATERMARK = declare(Setting[float](

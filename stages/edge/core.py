@@ -190,10 +190,10 @@ class Edge:
             model = ids[0]
         elif name in ids:
             model = name
-        elif name in aliases:
+        elif aliases.get(name) in ids:  # an alias of a model not served is no name of one
             model = aliases[name]
         else:
-            names = ", ".join((*ids, *aliases))
+            names = ", ".join((*ids, *(a for a, target in aliases.items() if target in ids)))
             raise RequestError(
                 "model_not_found",
                 f"the model {name[:100]!r} is not served here; served: {names} "

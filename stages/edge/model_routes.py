@@ -95,8 +95,9 @@ class ModelRoutes:
 
     def _names(self, request: Request) -> list[str]:
         caller = self.edge.authenticate(request)
-        config = self.edge.config
-        return caller.models((*(m.id for m in config.served), *config.aliases()))
+        ids = [m.id for m in self.edge.config.served]
+        aliases = [a for a, target in self.edge.config.aliases().items() if target in ids]
+        return caller.models((*ids, *aliases))
 
     async def _announced(self) -> dict[str, list[dict[str, Any]]]:
         """model id -> the announcements of its live, ready engine workers."""

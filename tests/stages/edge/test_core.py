@@ -32,3 +32,30 @@ def test_admission_counts_a_submits_prompt_estimate():
     )
     assert prompt_tokens(chat) == (40 // 4 + 8) + (1 // 4 + 8) + (8 // 4 + 8)
     assert prompt_tokens(Submit(prompt="p" * 12, max_tokens=5)) == 12 // 4 + 8
+
+
+def test_a_model_is_named_by_its_id_or_an_alias_of_a_served_one(tmp_path):
+    """Two served models: no name is the default, an id itself, `alias` the default's and
+    `alias=id` that id's; an alias of a model not served, or any other name, is a 404; a
+    tenant limited to one model gets a 403 for the other."""
+    from stages.edge.core import Edge
+    from stages.edge.keys import Caller
+
+    config = EdgeConfig(
+        model="smollm2-135m,tiny=/models/tiny", model_aliases=("gpt-4o", "mini=tiny", "ghost=nope")
+    )
+    edge = Edge(bus=None, config=config, keys=None)  # resolving names touches neither
+    anyone = Caller(tenant="acme", api_key="k")
+    assert [edge.served_model(anyone, n) for n in (None, "tiny", "gpt-4o", "mini")] == [
+        "smollm2-135m", "tiny", "smollm2-135m", "tiny"]  # fmt: skip
+    for name in ("ghost", "/models/tiny", "gpt-5"):
+        with pytest.raises(RequestError) as info:
+            edge.served_model(anyone, name)
+        assert (info.value.code, info.value.status, info.value.field) == (
+            "model_not_found", 404, "model")  # fmt: skip
+    assert "served: smollm2-135m, tiny, gpt-4o, mini (GET" in info.value.message
+    only_tiny = Caller(tenant="t", api_key="k", allowed_models=("tiny",))
+    assert edge.served_model(only_tiny, "mini") == "tiny"
+    with pytest.raises(RequestError) as info:
+        edge.served_model(only_tiny, None)
+    assert (info.value.code, info.value.status) == ("forbidden", 403)
