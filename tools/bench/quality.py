@@ -69,6 +69,8 @@ def all_configs() -> list[QualityConfig]:
     rows.append(QualityConfig("float32 dense (dense decode)", quantized_gemv=False))
     for q in ("int4-decode", "int8-decode", "int4", "int8"):
         rows.append(QualityConfig(f"bfloat16 {q}", dtype="bfloat16", quantization=q))
+    rows.append(QualityConfig("float32 batch-invariant (GGUF blocks: GEMV at every row count)",
+                              batch_invariant=True))  # fmt: skip
     for q in (None, "int4", "int8"):
         name = f"bfloat16 {q or 'dense'} batch-invariant"
         rows.append(QualityConfig(name, dtype="bfloat16", quantization=q, batch_invariant=True))
