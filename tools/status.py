@@ -129,8 +129,9 @@ def _engine_detail(detail: list[dict]) -> str:
     parts = []
     for d in detail:
         if "num_free_blocks" in d:
+            model = f"model {d['model']}" if "model" in d else "model"  # the one it serves
             parts.append(
-                f"model loaded, {d['num_free_blocks']}/{d['num_total_blocks']} KV blocks free, "
+                f"{model} loaded, {d['num_free_blocks']}/{d['num_total_blocks']} KV blocks free, "
                 f"{d.get('num_running', 0)} running"
             )
     return "; ".join(parts)

@@ -186,6 +186,8 @@ def test_two_models_get_an_engine_worker_each_restarted_as_itself(
         filters = {c["durable"]: c["filter"] for c in status["consumers"]}
         assert filters["brigade-engine-smollm2-135m"] == "llm.ev.*.tokenized.smollm2-135m"
         assert filters["brigade-engine-tiny"] == "llm.ev.*.tokenized.tiny"
+        text = _status(nats_server.url).stdout  # each engine worker says which model it serves
+        assert "model smollm2-135m loaded" in text and "model tiny loaded" in text
         assert anyio.run(_submit_for, config, "tiny").accepted
         refused = anyio.run(_submit_for, config, "gpt-4o")
         assert (refused.accepted, refused.code) == (False, "model_not_found")
