@@ -53,3 +53,13 @@ def test_recovery_trusts_renamed_files_and_drops_half_written_ones(tmp_path: Pat
 
 def test_empty_archive_starts_at_zero(tmp_path: Path):
     assert ParquetLog(tmp_path / "new").recover() == 0
+
+
+def test_a_payload_that_is_no_event_takes_its_type_and_request_from_the_subject():
+    """A routed subject has its model after the event: the row's type is the event."""
+    for subject, kind in (("llm.ev.r1.tokens", "tokens"), ("llm.ev.r1.tokenized.tiny", "tokenized")):  # fmt: skip
+        got = row_from_message(1, T, subject, b"\xff not json")
+        assert (got["type"], got["request_id"], got["subject"]) == (kind, "r1", subject)
+    event = ev.PromptTokenized(request_id="r2", prompt_token_ids=[1], model="tiny")
+    got = row_from_message(2, T, "llm.ev.r2.tokenized.tiny", ev.encode(event))
+    assert (got["type"], got["request_id"]) == ("tokenized", "r2")
