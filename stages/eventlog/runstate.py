@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Literal
 
+import anyio
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
@@ -138,8 +139,12 @@ class RunStates:
         return entry if entry.value else None
 
     async def project(self, event: AnyEvent) -> RunRecord | None:
-        """Apply one event; returns the new record, or None when it changed nothing."""
-        for _ in range(16):
+        """Apply one event; returns the new record, or None when it changed nothing.
+
+        On an R3 bucket a read may come from a replica a write has not reached yet: the write
+        is then refused as a lost race (nats-py's `create` even re-reads and says the key is
+        missing), and it is read and tried again after a short pause."""
+        for attempt in range(16):
             entry = await self._entry(event.request_id)
             record = None if entry is None else _decoder.decode(entry.value)
             new = apply(record, event)
@@ -153,8 +158,9 @@ class RunStates:
                         event.request_id, _encoder.encode(new), last=entry.revision
                     )
                 return new
-            except KeyWrongLastSequenceError:
-                continue  # another worker wrote first: re-read and re-apply
+            except (KeyWrongLastSequenceError, KeyNotFoundError):
+                # another worker wrote first, or the read was stale: re-read and re-apply
+                await anyio.sleep(min(0.005 * 2**attempt, 0.2))
         raise RuntimeError(f"run {event.request_id}: 16 compare-and-set retries lost")
 
 
