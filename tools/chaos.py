@@ -505,19 +505,27 @@ async def audit(fault: str, config, outcomes: list[Outcome], baseline: dict[int,
 
 async def _kill(config, stage: str, killed: set[int]) -> None:
     """SIGKILL every worker of `stage` on this host (from their heartbeats); adds to `killed`."""
+    import anyio
+
     from schemas import subjects
     from stages.runtime import heartbeat
     from stages.runtime.bus import Bus
 
     bus = await Bus.connect(config)
+    pids: set[int] = set()
     try:
         kv = await bus.kv(subjects.STAGES_BUCKET, ttl_s=heartbeat.TTL_S)
         host = socket.gethostname()
-        pids = {b.pid for b in await heartbeat.beats(kv) if b.stage == stage and b.host == host}
+        with anyio.move_on_after(15.0):  # a busy bus may answer one read partly: ask again
+            while not pids:
+                found = await heartbeat.beats(kv)
+                pids = {b.pid for b in found if b.stage == stage and b.host == host}
+                if not pids:
+                    await anyio.sleep(0.5)
     finally:
         await bus.close()
     if not pids:
-        raise RuntimeError(f"no worker of {stage} beats on this host")
+        raise RuntimeError(f"no worker of {stage} beats on this host (looked for 15 s)")
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
         killed.add(pid)
@@ -603,9 +611,13 @@ async def run_faults(deploy: Deployment, faults: tuple[str, ...], n: int, max_to
             raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(CLUSTER_FAULTS)}")
         early = fault in EARLY_FAULTS
         before = await _accepted_ids(config)
-        outcomes = await drive(deploy.edge_url, config, n, max_tokens, strike, early)
+        failures: list[str] = []
+        outcomes = await drive(deploy.edge_url, config, n, max_tokens, _noting(strike, failures),
+                               early)  # fmt: skip
         rows.append(await audit(label if fault in NODE_FAULTS else fault, config, outcomes,
                                 baseline, _new(before, await _accepted_ids(config))))  # fmt: skip
+        for failure in failures:  # the fault itself could not be struck: say so in its row
+            rows[-1].errors[f"strike failed: {failure}"] = 1
         report(rows[-1])
         await _wait_ready(deploy, stages, killed)
     return rows
@@ -613,6 +625,19 @@ async def run_faults(deploy: Deployment, faults: tuple[str, ...], n: int, max_to
 
 def _new(before: set[str] | None, after: set[str] | None) -> set[str] | None:
     return None if before is None or after is None else after - before
+
+
+def _noting(strike: Callable[[], Awaitable[None]],
+            failures: list[str]) -> Callable[[], Awaitable[None]]:  # fmt: skip
+    """`strike`, whose failure is noted instead of ending the whole run (the load goes on)."""
+
+    async def noted() -> None:
+        try:
+            await strike()
+        except Exception as err:  # noqa: BLE001 - one fault that cannot strike is one row's note
+            failures.append(f"{type(err).__name__}: {err}")
+
+    return noted
 
 
 COLUMNS = ("fault", "sent", "completed", "failed_clear", "lost", "duplicated_text",
@@ -658,5 +683,9 @@ def run(args) -> int:
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
-    bad = [r.fault for r in rows if r.lost or r.billed_twice or r.told_failed_but_billed]
+    bad = [r.fault for r in rows if r.lost or r.billed_twice or r.told_failed_but_billed
+           or any(told.startswith("strike failed") for told in r.errors)]  # fmt: skip
+    for r in rows:  # what the failed ones were told, and faults that could not strike
+        for told, count in r.errors.items():
+            print(f"  {r.fault}: {count} x {told}", file=sys.stderr)
     return 1 if bad else 0

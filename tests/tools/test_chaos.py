@@ -108,3 +108,13 @@ def test_each_node_fault_picks_the_node_that_leads_what_it_names(tmp_path) -> No
         anyio.run(check)
     finally:
         deploy.stop()
+
+
+def test_a_strike_that_fails_is_noted_and_the_load_goes_on() -> None:
+    failures: list[str] = []
+
+    async def strike() -> None:
+        raise RuntimeError("no worker of edge beats on this host")
+
+    anyio.run(chaos._noting(strike, failures))
+    assert failures == ["RuntimeError: no worker of edge beats on this host"]
