@@ -15,6 +15,7 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, help="fixed seed (the run's seed is printed either way)")
+    p.add_argument("--model", help="a served model's id (default: the default model)")
     p.add_argument("--system", help="system prompt (default: the model's own)")
     p.add_argument("--api-key", help="default: $BRIGADE_API_KEY or the dev key of brigade up")
     p.add_argument("--nats-url", help="default: $NATS_URL or the NATS of the running brigade up")
@@ -91,6 +92,7 @@ async def ask(args, config, api_key: str | None, out=sys.stdout) -> tuple[Answer
     submit = Submit(
         request_id=request_id,
         api_key=api_key,
+        model=args.model,
         messages=[Message(role="user", content=args.question)],
         system=args.system,
         temperature=args.temperature,
@@ -134,7 +136,7 @@ async def ask(args, config, api_key: str | None, out=sys.stdout) -> tuple[Answer
 
 
 def report(answer: Answer, sent_ns: int) -> str:
-    from schemas.events import RequestFailed, RunCompleted
+    from schemas.events import RequestFailed, RunCompleted, RunFinished
 
     t = answer.terminal
     lines = [""]
@@ -155,6 +157,9 @@ def report(answer: Answer, sent_ns: int) -> str:
             else None
         )
         lines.append(f"   TTFT {ttft:.0f} ms, " + (f"{rate:.1f} tok/s" if rate else "tok/s n/a"))
+    models = {e.model for e in answer.events if isinstance(e, RunFinished) and e.model}
+    if models:  # the engine that answered says which model it serves
+        lines.append(f"   model {', '.join(sorted(models))}")
     times = stage_times_ms(answer.events)
     lines.append("   per stage (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
     return "\n".join(lines)

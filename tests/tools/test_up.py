@@ -135,6 +135,16 @@ def test_a_stage_that_ignores_sigterm_is_killed_within_the_shutdown_bound(
         os.kill(stuck, 0)  # killed, not left behind
 
 
+def _ask(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
+    env.update(BRIGADE_DATA_DIR=str(tmp_path / "data"))  # the dev key `up` saved there
+    return subprocess.run(
+        [sys.executable, "-m", "tools.cli", "ask", "Hi", "--nats-url", url, "--max-tokens", "2",
+         "--temperature", "0", *args],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+
+
 async def _engine_beats(config: BusConfig, want: int, timeout_s: float) -> dict[str, int]:
     """{model: pid} of the ready engine workers, once `want` of them beat."""
     bus = await Bus.connect(config)
@@ -172,7 +182,8 @@ def test_two_models_get_an_engine_worker_each_restarted_as_itself(
 
     tiny = write_tiny_llama_with_tokenizer(tmp_path / "tiny-llama", "smollm2-135m")
     config = BusConfig(servers=(nats_server.url,))
-    proc, log_path = _start_up(tmp_path, nats_server.url, "gateway,engine",
+    stages = "gateway,auth,context,tokenize,engine,detokenize"
+    proc, log_path = _start_up(tmp_path, nats_server.url, stages,
                                "--model", "smollm2-135m", "--model", f"tiny={tiny}")  # fmt: skip
     try:
         _wait_for(log_path, proc, b"Brigade is up", 240)
@@ -188,6 +199,11 @@ def test_two_models_get_an_engine_worker_each_restarted_as_itself(
         assert filters["brigade-engine-tiny"] == "llm.ev.*.tokenized.tiny"
         text = _status(nats_server.url).stdout  # each engine worker says which model it serves
         assert "model smollm2-135m loaded" in text and "model tiny loaded" in text
+        tiny_ask = _ask(tmp_path, nats_server.url, "--model", "tiny")  # answered by tiny
+        assert tiny_ask.returncode == 0 and "   model tiny" in tiny_ask.stderr, tiny_ask.stderr
+        refused = _ask(tmp_path, nats_server.url, "--model", "gpt-4o")  # refused at once
+        assert refused.returncode == 1
+        assert "failed at gateway: model_not_found (field model)" in refused.stderr
         assert anyio.run(_submit_for, config, "tiny").accepted
         refused = anyio.run(_submit_for, config, "gpt-4o")
         assert (refused.accepted, refused.code) == (False, "model_not_found")
