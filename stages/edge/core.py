@@ -139,7 +139,8 @@ class Edge:
         self.tokenizers: dict[str, Tokenizer] = {}  # every served model's, by id (start)
         # the model each run submitted here is for (its events' metrics label), latest last
         self.run_models: OrderedDict[str, str] = OrderedDict()
-        self.gate = AdmissionGate(config.admission)
+        # one gate per model: a model's waiting work and its engines' KV use admit its requests
+        self.gates = {m.id: AdmissionGate(config.admission) for m in config.served}
         self.following: Counter[str] = Counter()  # clients following each run here
         self.background: anyio.abc.TaskGroup | None = None  # delayed cancels (set by serve)
         self.idempotency: IdempotencyStore | None = None
@@ -310,8 +311,18 @@ class Edge:
         )
 
     def _observe(self, event: AnyEvent, _received_ns: int) -> None:
-        self.metrics.observe_event(event, self.run_models.get(event.request_id))
-        self.gate.observe(event)
+        model = getattr(event, "model", None) or self.run_models.get(event.request_id)
+        self.metrics.observe_event(event, model)
+        self.gate_of(model).observe(event)
+
+    def gate_of(self, model: str | None) -> AdmissionGate:
+        """The admission gate of a served model (None, or one not served: the default's)."""
+        return self.gates.get(model or "") or next(iter(self.gates.values()))
+
+    def _release(self, request_id: str) -> None:
+        """The run no longer waits here, whichever model's it is."""
+        for gate in self.gates.values():
+            gate.release(request_id)
 
     def _remember_model(self, request_id: str, model: str) -> None:
         self.run_models[request_id] = model
@@ -343,13 +354,13 @@ class Edge:
                                          edge_worker=self.edge_worker)  # fmt: skip
         await self.check_fits(submit)
         if admit:
-            self.gate.admit(request_id, prompt_tokens(submit), caller.priority)
+            self.gate_of(model).admit(request_id, prompt_tokens(submit), caller.priority)
         else:
-            self.gate.join(request_id, prompt_tokens(submit))
+            self.gate_of(model).join(request_id, prompt_tokens(submit))
         try:
             return await self._submit(caller, submit, request_hash(request), request_id, tokens)
         except BaseException as err:
-            self.gate.release(request_id)
+            self._release(request_id)
             if isinstance(err, Exception) and bus_unavailable(err):
                 await self._withdraw(caller, request_id)
             raise
@@ -436,7 +447,7 @@ class Edge:
                     )
                 claim = Claim(request_id=request_id, new=True)
             if not claim.new:
-                self.gate.release(request_id)
+                self._release(request_id)
                 if tokens is not None:
                     tokens.request_id = claim.request_id
                 watch = self._watch(claim.request_id, -1, tokens, submit.deadline_s)
@@ -528,7 +539,7 @@ class Edge:
             self.following[watch.request_id] -= 1
             if not self.following[watch.request_id]:
                 del self.following[watch.request_id]
-            self.gate.release(watch.request_id)  # no longer followed here: not waiting work
+            self._release(watch.request_id)  # no longer followed here: not waiting work
 
 
 def prompt_tokens(submit: Submit) -> int:
