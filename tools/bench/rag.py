@@ -6,13 +6,17 @@ DuckDB store; each question's supporting chunk is the one holding its evidence t
 (whitespace-normalized). Reported side by side: recall@1/5/10 and MRR (over the top 20) for
 vector only, keyword (BM25) only, hybrid (reciprocal rank fusion) and hybrid + rerank (the
 served model's query likelihood over the hybrid top top_k x over_retrieve, run in-process on the
-engine, batched, as the context stage runs it through the engine; --yes-no adds the model's
-log P(yes) - log P(no) as a second reranker).
+engine, batched, as the context stage runs it through the engine, and interpolated with the
+fused score as the context stage does: stages/retrieval/rerank.py), with the same scores
+ordered by the likelihood alone and by RRF with the hybrid order beside it; --yes-no adds the
+model's log P(yes) - log P(no) as a second reranker. rag.json keeps every question's
+candidates and scores.
 
 Latency: the context stage's added work per request (embed the query, hybrid search, pack
 into the budget) at 1k, 10k and 100k chunks (synthetic texts from the corpus's words, random
-unit vectors), P50 / P95 over the questions; the rerank's cost from the quality run.
-Writes rag.md and rag.json.
+unit vectors), P50 / P95 over the questions' second pass, with its CPU time (the work, without
+waits for a core) and the first pass's pack (every chunk's block counted anew); the rerank's
+cost from the quality run. Writes rag.md and rag.json.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-rerank", action="store_true", help="skip the (slow) rerank column")
     p.add_argument("--yes-no", action="store_true", help="also rerank by the model's yes / no")
     p.add_argument("--questions", type=int, help="only the first N questions")
+    p.add_argument(
+        "--embedding-precision", default="bf16", choices=("bf16", "fp32"),
+        help="the embedding model's products (engine/embedding.py; the services use bf16)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 
@@ -169,10 +177,12 @@ def run_quality(args, index, embed, tok, qs) -> tuple[dict, dict]:
         ranks["vector"].append(first_hit(by_vector, q["evidence"]))
         ranks["keyword"].append(first_hit(by_keyword, q["evidence"]))
         ranks["hybrid"].append(first_hit([c.chunk.text for c in hybrid], q["evidence"]))
-        pools.append([c.chunk.text for c in hybrid[:num_candidates]])
+        pools.append(hybrid[:num_candidates])
+    from stages.retrieval.rerank import reranked_order
     from stages.retrieval.search import reciprocal_rank_fusion
 
     cost: dict = {}
+    rerank_scores: list[dict] = []  # per question: the candidates, their fused and rerank scores
     scorers = [] if args.no_rerank else [("hybrid + rerank", query_likelihood_scores)]
     if args.yes_no:
         scorers.append(("hybrid + yes/no rerank", yes_no_scores))
@@ -184,16 +194,27 @@ def run_quality(args, index, embed, tok, qs) -> tuple[dict, dict]:
         ranks[name] = []
         times = []
         for q, pool in zip(qs, pools, strict=True):
+            texts = [c.chunk.text for c in pool]
             start = time.perf_counter()
-            scores = scorer(engine, engine.tokenizer, q["question"], pool)
+            scores = scorer(engine, engine.tokenizer, q["question"], texts)
             times.append(time.perf_counter() - start)
-            order = sorted(range(len(pool)), key=lambda i: (-scores[i], i))  # ties: fused order
-            ranks[name].append(first_hit([pool[i] for i in order], q["evidence"]))
-            if name == "hybrid + rerank":  # the same scores, fused with the hybrid order by rank
-                both = [i for i, _ in reciprocal_rank_fusion([list(range(len(pool))), order])]
-                ranks.setdefault("hybrid + rerank, fused", []).append(
-                    first_hit([pool[i] for i in both], q["evidence"])
+            alone = sorted(range(len(pool)), key=lambda i: (-scores[i], i))  # ties: fused order
+            if name != "hybrid + rerank":
+                ranks[name].append(first_hit([texts[i] for i in alone], q["evidence"]))
+                continue
+            # the context stage's order (rerank.py), then the same scores ordered otherwise
+            fused = [c.fused_score for c in pool]
+            by_rank = [i for i, _ in reciprocal_rank_fusion([list(range(len(pool))), alone])]
+            for row, order in (
+                (name, reranked_order(fused, scores)),
+                ("hybrid + rerank: likelihood alone", alone),
+                ("hybrid + rerank: RRF with the hybrid order", by_rank),
+            ):
+                ranks.setdefault(row, []).append(
+                    first_hit([texts[i] for i in order], q["evidence"])
                 )
+            rerank_scores.append({"chunk_ids": [c.chunk.chunk_id for c in pool], "fused": fused,
+                                  "likelihood": scores})  # fmt: skip
             print(f"\r{name}: {len(times)}/{len(qs)} questions", end="", file=sys.stderr)
         print(file=sys.stderr)
         cost[name] = {
@@ -201,10 +222,12 @@ def run_quality(args, index, embed, tok, qs) -> tuple[dict, dict]:
             "p50_s": statistics.median(times),
             "p95_s": percentile(times, 0.95),
             "passage_tokens_mean": statistics.mean(
-                sum(len(tok.encode_text(p)) for p in pool) for pool in pools
+                sum(c.chunk.num_tokens for c in pool) for pool in pools
             ),
         }
     result = {name: quality(r) | {"ranks": r} for name, r in ranks.items()}
+    if rerank_scores:
+        cost["hybrid + rerank"]["scores"] = rerank_scores
     return result, cost
 
 
@@ -236,7 +259,7 @@ def synthetic_index(n: int, words: list[str], rng: random.Random, real_chunks, r
 def run_latency(args, real_chunks, real_vectors, embed, tok, qs) -> dict:
     from schemas.events import Message, Request, Sampling
     from stages.fit import Costs, fit
-    from stages.retrieval.pack import pack
+    from stages.retrieval.pack import BlockCounts, pack
 
     rng = random.Random(args.seed)
     words = sorted({w for c in real_chunks for w in re.findall(r"[A-Za-z]{3,}", c.text)})
@@ -247,23 +270,35 @@ def run_latency(args, real_chunks, real_vectors, embed, tok, qs) -> dict:
         index = synthetic_index(n, words, rng, real_chunks, real_vectors)
         build_s = time.perf_counter() - build_start
         timings: dict[str, list[float]] = {"embed": [], "search": [], "pack": [], "total": []}
+        counts = BlockCounts(costs)  # as the context stage keeps them
+        first_pack: list[float] = []  # pack in the first pass: each chunk's block counted anew
+        cpu: list[float] = []  # the whole step's CPU time on this thread (every part runs on it)
         for rep in range(2):  # the first pass warms caches; the second is reported
             for q in qs:
                 request = Request(
                     messages=[Message(role="user", content=q["question"])],
                     sampling=Sampling(max_tokens=256),
                 )
-                t0 = time.perf_counter()
+                c0, t0 = time.thread_time(), time.perf_counter()
                 vector = embed([q["question"]])[0]
                 t1 = time.perf_counter()
                 found = index.hybrid(q["question"], vector, args.top_k * args.over_retrieve)
                 t2 = time.perf_counter()
-                pack(fit(request, costs, 7936), found, costs, 7936, args.top_k)
+                pack(fit(request, costs, 7936), found, costs, 7936, args.top_k, counts)
                 t3 = time.perf_counter()
+                if not rep:
+                    first_pack.append((t3 - t2) * 1e3)
                 if rep:
                     for name, dt in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):
                         timings[name].append(dt * 1e3)
-        out[str(n)] = {"index_build_s": build_s} | {
+                    cpu.append((time.thread_time() - c0) * 1e3)  # the work, without the waits
+        out[str(n)] = {
+            "index_build_s": build_s,
+            "pack_first_p50_ms": percentile(first_pack, 0.5),
+            "pack_first_p95_ms": percentile(first_pack, 0.95),
+            "total_cpu_p50_ms": percentile(cpu, 0.5),
+            "total_cpu_p95_ms": percentile(cpu, 0.95),
+        } | {
             f"{name}_{p}_ms": percentile(v, q)
             for name, v in timings.items()
             for p, q in (("p50", 0.5), ("p95", 0.95))
@@ -287,16 +322,23 @@ def table(res: dict) -> str:
         f"({res['chunk_tokens']} tokens, overlap {res['chunk_overlap']}); rerank over the "
         f"hybrid top {res['top_k']} x {res['over_retrieve']}.",
         "",
+        f"Latency: the {res['num_questions']} questions' second pass (the first warms caches; "
+        f"its pack, every chunk's block counted anew, is the last column); embedding in "
+        f"{res['embedding_precision']}.",
+        "",
         "| chunks | embed P50 / P95 ms | search P50 / P95 ms | pack P50 / P95 ms | "
-        "total P50 / P95 ms | index build s |",
-        "|---|---|---|---|---|---|",
+        "total P50 / P95 ms | total CPU P50 / P95 ms | index build s | "
+        "first-pass pack P50 / P95 ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n, t in res["latency"].items():
         lines.append(
             f"| {int(n):,} | {t['embed_p50_ms']:.2f} / {t['embed_p95_ms']:.2f} | "
             f"{t['search_p50_ms']:.2f} / {t['search_p95_ms']:.2f} | "
             f"{t['pack_p50_ms']:.2f} / {t['pack_p95_ms']:.2f} | "
-            f"{t['total_p50_ms']:.2f} / {t['total_p95_ms']:.2f} | {t['index_build_s']:.1f} |"
+            f"{t['total_p50_ms']:.2f} / {t['total_p95_ms']:.2f} | "
+            f"{t['total_cpu_p50_ms']:.2f} / {t['total_cpu_p95_ms']:.2f} | {t['index_build_s']:.1f} | "
+            f"{t['pack_first_p50_ms']:.2f} / {t['pack_first_p95_ms']:.2f} |"
         )
     for name, r in res["rerank"].items():
         lines += [
@@ -317,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     from stages.retrieval.store import Store
 
     tok = load_tokenizer(args.model)
-    embedder = Embedder()
+    embedder = Embedder(precision=args.embedding_precision)
     qs = questions()[: args.questions]
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "retrieval.duckdb")
@@ -332,6 +374,7 @@ def run(args: argparse.Namespace) -> int:
     res = {
         "date": time.strftime("%Y-%m-%d"),
         "torch_threads": torch.get_num_threads(),
+        "embedding_precision": args.embedding_precision,
         "num_questions": len(qs),
         "num_chunks": num_chunks,
         "unsupported": unsupported,
