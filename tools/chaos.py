@@ -3,13 +3,13 @@
 It starts its own deployment (a nats-server on a fixed loopback port with a persistent store,
 or with `--cluster` a local three-node JetStream cluster with R3 streams, and `brigade up
 --procs` on it), streams an uninterrupted baseline, then for each fault streams the same prompts
-and strikes once the first tokens flow (the stages ahead of the engine: just before the load):
-SIGKILL of a stage's process (found by its heartbeat; `kill:engine` is the engine mid-decode),
-a whole NATS restart on its port and store, a poison on llm.in and on every event subject, or
-(on the cluster) SIGKILL of one node of three, chosen by what it leads when the fault strikes,
-started again on its ports and store after `--node-down` seconds. Each row counts, from what
-the client
-saw and what the log holds: requests sent, completed, failed with a clear error (an OpenAI
+and strikes once the first tokens flow (the stages ahead of the engine and the submit queue's
+leader: just before the load): SIGKILL of a stage's process (found by its heartbeat;
+`kill:engine` is the engine mid-decode), a whole NATS restart on its port and store, a poison
+on llm.in and on every event subject, or (on the cluster) SIGKILL of one node of three, chosen
+by what it leads when the fault strikes, started again on its ports and store `--node-down`
+seconds later while the load goes on. Each row counts, from what the client saw and what the
+log holds: requests sent, completed, failed with a clear error (an OpenAI
 error with a code), lost (accepted, never terminal), duplicated text (the client got more than
 the log's text), text differing from the baseline, billed twice, told failed but billed, and
 the longest stall between two pieces of one stream.
@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,7 +41,10 @@ NODE_FAULTS = ("nats-node:follower", "nats-node:meta-leader", "nats-node:events-
 CLUSTER_FAULTS = (*NODE_FAULTS, *FAULTS)
 # Struck just before the load: the stages ahead of the engine pass a request in milliseconds,
 # so their requests wait in the durable for the restarted worker. The rest strike mid-decode.
-EARLY_FAULTS = ("kill:gateway", "kill:auth", "kill:context", "kill:tokenize")
+# The submit queue's leader matters when a request is submitted: its node dies just before the
+# load, so the submits meet the election.
+EARLY_FAULTS = ("kill:gateway", "kill:auth", "kill:context", "kill:tokenize",
+                "nats-node:in-leader")  # fmt: skip
 PROMPTS = ("Count to ten.", "Name three colors.", "What is the capital of France?",
            "Write a haiku about the sea.", "List four fruits.", "Say hello in Spanish.")  # fmt: skip
 EVENT_SUBJECT_TAGS = ("accepted", "authorized", "assembled", "tokenized", "tokens", "finished",
@@ -258,12 +261,18 @@ class Deployment:
         except RuntimeError:
             return None
 
-    def kill_node(self, node: str) -> None:
-        """SIGKILL one node; start it again on its ports and store after node_down_s."""
-        assert self.cluster is not None, "node faults run on the cluster"
-        self.cluster.kill(node)
-        time.sleep(self.node_down_s)
-        self.cluster.restart(node)
+    async def kill_node(self, node: str) -> Future:
+        """SIGKILL one node now; it is started again on its ports and store node_down_s later,
+        on the deployment's thread, while the load goes on (the future says when it is back)."""
+        cluster = self.cluster
+        assert cluster is not None, "node faults run on the cluster"
+        await self.off_loop(lambda: cluster.kill(node))
+
+        def restart() -> None:
+            time.sleep(self.node_down_s)
+            cluster.restart(node)
+
+        return self._nats_thread.submit(restart)
 
     def stop(self) -> None:
         from stages.runtime import natsd
@@ -431,11 +440,18 @@ async def _settled(bus, rid: str, refused: bool = False) -> list:
     import anyio
 
     from schemas.events import RequestFailed, RunBilled, RunCancelled, RunCompleted
+    from stages.runtime.failures import bus_unavailable
 
     events: list = []
     with anyio.move_on_after(60.0):
         while True:
-            events = await bus.replay(rid)
+            try:
+                events = await bus.replay(rid)
+            except Exception as err:  # noqa: BLE001 - a node still down: its election, ask again
+                if not bus_unavailable(err):
+                    raise
+                await anyio.sleep(0.5)
+                continue
             ends = [e for e in events if isinstance(e, RunCompleted | RunCancelled | RequestFailed)]
             if ends and any(isinstance(e, RunBilled) for e in events) or (refused and not events):
                 return events
@@ -575,11 +591,14 @@ async def _wait_ready(deploy: Deployment, stages: tuple[str, ...], killed: set[i
 async def run_faults(deploy: Deployment, faults: tuple[str, ...], n: int, max_tokens: int,
                      report: Callable[[Row], None] = lambda row: None) -> list[Row]:  # fmt: skip
     """The baseline row, then one row per fault, each after every stage beats ready again."""
+    import asyncio
+
     from tools.stage import available
 
     stages = available()
     config = deploy.config()
     killed: set[int] = set()
+    restarts: list[Future] = []
     await _wait_ready(deploy, stages, killed)
     before = await _accepted_ids(config)
     outcomes = await drive(deploy.edge_url, config, n, max_tokens, None)
@@ -606,7 +625,7 @@ async def run_faults(deploy: Deployment, faults: tuple[str, ...], n: int, max_to
             label = f"{fault} ({node}: leads {led})"
 
             async def strike(node: str = node) -> None:
-                await deploy.off_loop(lambda: deploy.kill_node(node))
+                restarts.append(await deploy.kill_node(node))
         else:
             raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(CLUSTER_FAULTS)}")
         early = fault in EARLY_FAULTS
@@ -614,6 +633,8 @@ async def run_faults(deploy: Deployment, faults: tuple[str, ...], n: int, max_to
         failures: list[str] = []
         outcomes = await drive(deploy.edge_url, config, n, max_tokens, _noting(strike, failures),
                                early)  # fmt: skip
+        while restarts:  # a killed node is back before the log is audited and the next fault
+            await asyncio.wrap_future(restarts.pop())
         rows.append(await audit(label if fault in NODE_FAULTS else fault, config, outcomes,
                                 baseline, _new(before, await _accepted_ids(config))))  # fmt: skip
         for failure in failures:  # the fault itself could not be struck: say so in its row
