@@ -5,16 +5,18 @@ Two engines on the same model and dtype (by default the engine's own, float32): 
 up to 8 rows, dense GEMMs above) and `batch_invariant=True` (float32: the block GEMV at every
 row count and attention one query token at a time; bfloat16: dense GEMMs at every row count, a
 one-row input computed as two). For each: prefill tok/s at 128 / 512 / 2048 tokens,
-single-stream decode, continuous batching at 8 and 32 streams on a mixed workload, and a check
+single-stream decode, continuous batching at 8 and 32 streams on a mixed workload (each the median
+of `--rounds` rounds in which the two engines alternate), and a check
 of what the mode is for: of 8 greedy requests, how many come out the same alone as in a chunked,
-preempting batch (token ids, and every logprob bit for bit). The two engines alternate section
-by section, so machine noise falls on both. Writes invariant.md and invariant.json.
+preempting batch (token ids, and every logprob bit for bit). Writes invariant.md and
+invariant.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 from tools.bench.engine import bench_prefill, bench_single_decode, run_workload
@@ -41,6 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--streams", default="8,32", help="comma-separated concurrencies")
     p.add_argument("--seed", type=int, default=0, help="seed of the mixed workload")
     p.add_argument("--check-tokens", type=int, default=64, help="greedy tokens per check request")
+    p.add_argument("--rounds", type=int, default=3, help="alternations of the two engines")
     p.set_defaults(func=run)
 
 
@@ -105,18 +108,35 @@ def run(args: argparse.Namespace) -> int:
         "modes": {name: {"quantization": e.model.quantization} for name, e in engines.items()},
     }
     t0 = time.perf_counter()
-    for name, engine in engines.items():
-        print(f"{name}: warm-up, prefill, single-stream decode ...", flush=True)
+    for engine in engines.values():
         run_workload(engine, warm, 8, "continuous", params_for)
-        res["modes"][name]["prefill_tok_per_s"] = bench_prefill(engine, vocab, repeats=2)
-        res["modes"][name]["single_decode_tok_per_s"] = bench_single_decode(engine, vocab, 128)
-    for c in streams:
-        workload = make_workload(2 * c, args.seed + c, vocab, (32, 512), (16, 128), "uniform")
+    # every measure alternates the two engines round by round; each mode's figure is the median
+    # of its rounds, so a burst of other load falls on both
+    rounds: dict = {name: {"prefill": [], "single": []} for name in engines}
+    for r in range(args.rounds):
         for name, engine in engines.items():
-            print(f"{name}: {c} streams, continuous batching ...", flush=True)
-            res["modes"][name][f"streams_{c}"] = run_workload(
-                engine, workload, c, "continuous", params_for
-            )
+            print(f"round {r + 1}: {name}: prefill, single-stream decode ...", flush=True)
+            rounds[name]["prefill"].append(bench_prefill(engine, vocab, repeats=1))
+            rounds[name]["single"].append(bench_single_decode(engine, vocab, 64))
+    for name in engines:
+        got = rounds[name]["prefill"]
+        res["modes"][name]["prefill_tok_per_s"] = {
+            n: round(statistics.median(p[n] for p in got), 1) for n in got[0]
+        }
+        single = statistics.median(rounds[name]["single"])
+        res["modes"][name]["single_decode_tok_per_s"] = round(single, 1)
+    for c in streams:
+        workload = make_workload(c, args.seed + c, vocab, (32, 512), (16, 128), "uniform")
+        runs: dict = {name: [] for name in engines}
+        for r in range(args.rounds):
+            for name, engine in engines.items():
+                print(f"round {r + 1}: {name}: {c} streams ...", flush=True)
+                runs[name].append(run_workload(engine, workload, c, "continuous", params_for))
+        for name, got in runs.items():
+            res["modes"][name][f"streams_{c}"] = {
+                key: round(statistics.median(g[key] for g in got), 1)
+                for key in ("decode_only_tok_per_s", "tok_per_s")
+            }
     for name, engine in checkers.items():
         print(f"{name}: greedy alone vs batched ...", flush=True)
         res["modes"][name]["same_alone_as_batched"] = same_alone_as_batched(
