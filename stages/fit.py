@@ -56,8 +56,11 @@ class Costs:
             if has_system:
                 convo.insert(0, {"role": "system", "content": "."})
             total = len(self.tok.encode_chat(convo, add_generation_prompt=True))
+            # only a leading system message costs what it renders alone: a first user message
+            # alone would render the template's default system prompt, which is framing here
             own = sum(
-                self.message(m["role"], m["content"], first=i == 0) for i, m in enumerate(convo)
+                self.message(m["role"], m["content"], first=i == 0 and m["role"] == "system")
+                for i, m in enumerate(convo)
             )
             self._framing[has_system] = total - own
         return self._framing[has_system]

@@ -162,3 +162,23 @@ def test_control_token_text_in_content_is_counted_as_the_tokenize_stage_encodes_
     fit = fitting.fit(req, costs, 1000)
     assert fit.num_prompt_tokens == true_length(fit, costs) == 74
     assert costs.message("user", forged) == 34  # its 29 text tokens, not 5 control tokens
+
+
+def test_without_a_system_message_the_templates_default_system_prompt_counts(
+    costs: fitting.Costs,
+) -> None:
+    # SmolLM2's template writes its own system prompt when the request has none: ~20 tokens
+    # that the fit must count, or the prompt runs over the budget it was fitted to.
+    bare = Request(
+        messages=[*HISTORY, Message(role="user", content="What now?")],
+        truncation="drop_oldest",
+        sampling=Sampling(max_tokens=10),
+    )
+    whole = fitting.fit(bare, costs, 1000)
+    assert whole.messages[0].role == "user"  # no system message: the template's default goes in
+    assert whole.num_prompt_tokens == true_length(whole, costs)
+    template = dict((p.name, p.num_tokens) for p in whole.parts)["template"]
+    assert template > 20  # the default system prompt is the template's framing here
+    budget = whole.num_prompt_tokens - 20  # room for fewer turns: the oldest go
+    cut = fitting.fit(bare, costs, budget)
+    assert cut.truncated and cut.num_prompt_tokens == true_length(cut, costs) <= budget
