@@ -358,7 +358,8 @@ MAX_MODEL_LEN = declare(Setting[int | None](
 ))  # fmt: skip
 BATCH_INVARIANT = declare(Setting[bool](
     name="BRIGADE_BATCH_INVARIANT", kind="bool", default=False,
-    help="bit-identical logits whatever shares a step; bf16 on the CPU",
+    help="bit-identical logits whatever shares a step, chunks a prompt or continues a run "
+    "(CPU: float32 on a GGUF's Q4_1/Q8_0 blocks, or bfloat16)",
     readers=("engine",),
 ))  # fmt: skip
 PREFIX_CACHING = declare(Setting[bool](
