@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -294,6 +295,17 @@ async def test_n_and_best_of_through_every_stage(pipeline):
     assert best.choices[0].logprobs is None  # not asked for: used only to rank
 
 
+def _engine_steps(samples: dict[str, float]) -> tuple[float, float]:
+    """(steps, tokens) of MODEL's iteration_tokens_total, summed over its engine workers."""
+
+    def total(kind: str) -> float:
+        name = f"brigade:iteration_tokens_total_{kind}{{"
+        return sum(v for k, v in samples.items()
+                   if k.startswith(name) and f'model_name="{MODEL}"' in k)  # fmt: skip
+
+    return total("count"), total("sum")
+
+
 async def test_cached_tokens_forks_and_the_prefix_cache_metrics(pipeline):
     """A prompt sent twice: the second answer's usage counts the prefix cache's tokens; n = 2:
     the second run's prompt K/V are the first's (its run record counts them cached); the
@@ -323,6 +335,16 @@ async def test_cached_tokens_forks_and_the_prefix_cache_metrics(pipeline):
     queries = samples[f'brigade:prefix_cache_queries_total{{model_name="{MODEL}"}}']
     assert 0 < hits < queries
     assert f'brigade:num_preemptions_total{{model_name="{MODEL}"}}' in samples
-    steps = samples[f'brigade:iteration_tokens_total_count{{model_name="{MODEL}"}}']
-    step_tokens = samples[f'brigade:iteration_tokens_total_sum{{model_name="{MODEL}"}}']
-    assert steps >= 4 and step_tokens >= steps  # the prefills counted whole, decodes as 1+
+    # the engine's own step histogram, from its heartbeat (one series per engine worker): the
+    # beat after these runs may be a second away
+    with anyio.fail_after(10):
+        while True:
+            steps, step_tokens = _engine_steps(samples)
+            if steps >= 4:
+                break
+            await anyio.sleep(0.25)
+            async with httpx.AsyncClient(base_url=edge.url, headers=auth) as http:
+                text = (await http.get("/metrics")).text
+            samples = {line.split(" ")[0]: float(line.split(" ")[1])
+                       for line in text.splitlines() if line and not line.startswith("#")}  # fmt: skip
+    assert step_tokens >= steps  # the prefills counted whole, decodes as 1+
