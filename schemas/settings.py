@@ -374,9 +374,9 @@ NUM_SPECULATIVE_TOKENS = declare(Setting[int](
     readers=("engine",),
 ))  # fmt: skip
 STREAM_MAX_COALESCE = declare(Setting[int](
-    name="BRIGADE_STREAM_MAX_COALESCE", kind="int", default=8, ge=1,
+    name="BRIGADE_STREAM_MAX_COALESCE", kind="int", default=1, ge=1,
     help="tokens one `tokens` event may carry while detokenize lags (a backlog past one step's "
-    "events); one per event while it keeps up; 1: always one",
+    "events); 1, the default: always one (coalescing measured slower, docs/benchmarks.md)",
     readers=("engine",),
 ))  # fmt: skip
 STREAM_LAG_POLL_S = declare(Setting[float](

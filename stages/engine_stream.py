@@ -9,7 +9,12 @@ events leave the cores to the engine. The lag is detokenize's durable consumer's
 more than one step's events (one per running request) means the events arrive faster than they
 are handled: the interval rises to cover it, and falls back by one per sample once it is gone.
 `seq` counts events, not steps, so the text, its replay and a failover's continuation are the
-same whatever the grouping (tested in tests/stages/test_engine_stage.py).
+same whatever the grouping (tested in tests/stages/test_engine_stream.py).
+
+Off by default (BRIGADE_STREAM_MAX_COALESCE=1): measured side by side with `brigade bench serve
+--sides pipeline,pipeline-uncoalesced`, coalescing up to 8 gave 0.83x the aggregate at 8 streams
+and 0.91x at 32, with more CPU per token (docs/benchmarks.md, Serving). A lever to try, not a
+default.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ log = logging.getLogger("brigade.engine")
 
 @dataclass(frozen=True)
 class StreamConfig:
-    max_tokens_per_event: int = 8  # 1: one event per token and step, always
+    max_tokens_per_event: int = 1  # 1 (the default): one event per token and step, always
     poll_s: float = 0.1
 
     @classmethod

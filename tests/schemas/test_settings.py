@@ -124,7 +124,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_PREFIX_CACHING": True,  # the served engine's default; EngineConfig's is off
         "BRIGADE_NUM_SPECULATIVE_TOKENS": 0,
         "BRIGADE_QUANTIZED_GEMV": True,
-        "BRIGADE_STREAM_MAX_COALESCE": 8,
+        "BRIGADE_STREAM_MAX_COALESCE": 1,
         "BRIGADE_STREAM_LAG_POLL_S": 0.1,
         "BRIGADE_CPU_KERNEL": True,
         "CC": None,
