@@ -48,7 +48,7 @@ class EngineConfig:
     # bit-identical logits for a token whatever shares its step (fp32 on a GGUF's blocks or bf16,
     # on the CPU; see loader.check_batch_invariant)
     batch_invariant: bool = False
-    # fp32 GGUF on the CPU: steps of <= 8 rows read the file's Q4_1 / Q8_0 blocks (the same fp32
+    # fp32 GGUF on the CPU: steps of <= 32 rows read the file's Q4_1 / Q8_0 blocks (the same fp32
     # weights, a sixth of the bytes; engine/gguf_linear.py); False: dense fp32 at every step
     quantized_gemv: bool = True
     # reuse the K/V of full blocks a prompt shares with earlier ones (see block_manager.py)

@@ -1,6 +1,6 @@
 """fp32 linears that keep a GGUF tensor's Q4_1 / Q8_0 blocks beside the dense weight.
 
-Steps of at most DECODE_MAX_ROWS rows run the compiled block GEMV (kernels/cpu_quant_gemv.py),
+Steps of at most GEMV_MAX_ROWS rows run the compiled block GEMV (kernels/cpu_quant_gemv.py),
 steps of more rows (batched decode, prefill chunks) the compiled block GEMM
 (kernels/cpu_quant_gemm.py): the same fp32 weights, rebuilt from 0.625 / 1.0625 bytes a weight
 instead of 4, fp32 sums, so the logits are the dense fp32 path's up to summation order. The GEMM
@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from engine.quant import DECODE_MAX_ROWS
 from kernels import cpu_quant_gemm, cpu_quant_gemv
 from kernels.cpu_quant_gemv import BlockKind
 
@@ -50,8 +49,14 @@ def concat_blocks(parts: list[GGUFBlocks | None]) -> GGUFBlocks | None:
     return GGUFBlocks(parts[0].kind, torch.cat([p.data for p in parts]).contiguous())
 
 
+# The GEMV (rows in groups of 8 inside each tile of weights) against the GEMM, the engine's decode
+# steps side by side on the quiet machine (2026-12-01): 16 rows 452-478 vs 579-597 tok/s, 24 rows
+# 622-651 vs 680-700, 32 rows 624-771 vs 672-681 (a tie): the GEMV up to 32 rows, the GEMM above.
+GEMV_MAX_ROWS = 32
+
+
 class GGUFLinear(nn.Module):
-    """The block GEMV for steps of at most DECODE_MAX_ROWS fp32 rows, the block GEMM above
+    """The block GEMV for steps of at most GEMV_MAX_ROWS fp32 rows, the block GEMM above
     (`gemm`: it was built), `dense` otherwise; `invariant`: the GEMV at every row count."""
 
     def __init__(
@@ -76,12 +81,12 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [n, in] -> [n, out]
         rows = x.shape[0]
-        many = rows > DECODE_MAX_ROWS and not (self.gemm or self.invariant)
+        many = rows > GEMV_MAX_ROWS and not (self.gemm or self.invariant)
         if rows == 0 or x.dtype != torch.float32 or many:
             return self.dense.forward(x)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if rows <= DECODE_MAX_ROWS or self.invariant:
+        if rows <= GEMV_MAX_ROWS or self.invariant:
             return cpu_quant_gemv.quant_gemv(x, self.blocks, self.kind)
         return cpu_quant_gemm.quant_gemm(x, self.blocks, self.kind)
 

@@ -125,7 +125,7 @@ def load_model(
     whatever shares its step and however its prompt was chunked (on the CPU: bf16, or fp32 on a
     GGUF file's own blocks; see check_batch_invariant).
     quantized_gemv: an fp32 GGUF model on the CPU with dense weights keeps its Q4_1 / Q8_0
-    blocks and runs steps of at most 8 rows on the block GEMV, more rows on the block GEMM (the
+    blocks and runs steps of at most 32 rows on the block GEMV, more rows on the block GEMM (the
     same weights, fewer bytes); without a C compiler, or for safetensors, the dense fp32 path.
     """
     if isinstance(dtype, str):

@@ -50,7 +50,7 @@ _KERNEL = cbuild.CKernel(
     levels=LEVELS,
     flag_sets=FLAG_SETS,
     bind=_bind,
-    fallback="fp32 GGUF linears use dense weights for steps of more than 8 rows",
+    fallback="fp32 GGUF linears use dense weights for steps of more than 32 rows",
     options=GemmOptions(),
 )
 configure = _KERNEL.configure

@@ -386,7 +386,7 @@ STREAM_LAG_POLL_S = declare(Setting[float](
 ))  # fmt: skip
 QUANTIZED_GEMV = declare(Setting[bool](
     name="BRIGADE_QUANTIZED_GEMV", kind="bool", default=True,
-    help="fp32 GGUF linears read the Q4_1/Q8_0 blocks (a GEMV up to 8 rows, a GEMM above); "
+    help="fp32 GGUF linears read the Q4_1/Q8_0 blocks (a GEMV up to 32 rows, a GEMM above); "
     "0: dense fp32 weights",
     readers=("engine",),
 ))  # fmt: skip

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import engine.loader as loader
-from engine.gguf_linear import GGUFBlocks, GGUFLinear, concat_blocks
-from engine.quant import DECODE_MAX_ROWS, DenseLinear
+from engine.gguf_linear import GEMV_MAX_ROWS, GGUFBlocks, GGUFLinear, concat_blocks
+from engine.quant import DenseLinear
 from engine.weights import resolve_model
 from kernels import cpu_quant_gemm, cpu_quant_gemv
 
@@ -50,9 +50,9 @@ def test_decode_rows_take_the_block_gemv_and_more_rows_the_block_gemm(gguf_model
     linear = GGUFLinear(blocks[key], dense)
     assert linear.gemm and blocks[key].kind == kind
     x = torch.randn(65, weights[key].shape[1])
-    for rows in (1, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 65):
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 65):
         got = linear(x[:rows])
-        kernel = cpu_quant_gemv.quant_gemv if rows <= DECODE_MAX_ROWS else cpu_quant_gemm.quant_gemm
+        kernel = cpu_quant_gemv.quant_gemv if rows <= GEMV_MAX_ROWS else cpu_quant_gemm.quant_gemm
         assert torch.equal(got, kernel(x[:rows], blocks[key].data, kind))
         torch.testing.assert_close(got, x[:rows] @ weights[key].t(), atol=1e-4, rtol=1e-5)
     no_gemm = GGUFLinear(blocks[key], dense, gemm=False)  # the GEMM could not be built
@@ -68,7 +68,7 @@ def test_the_invariant_linear_takes_the_block_gemv_at_every_row_count(gguf_model
     linear = GGUFLinear(blocks[key], DenseLinear(weights[key]), invariant=True)
     x = torch.randn(65, weights[key].shape[1])
     alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
-    for rows in (1, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 65):
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 65):
         assert torch.equal(linear(x[:rows]), alone[:rows]), rows
     assert torch.equal(linear(x[7:40]), alone[7:40])
     torch.testing.assert_close(alone, x @ weights[key].t(), atol=1e-4, rtol=1e-5)

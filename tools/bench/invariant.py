@@ -1,7 +1,7 @@
 """`brigade bench invariant`: what the batch-invariant mode costs, side by side in one run.
 
 Two engines on the same model and dtype (by default the engine's own, float32): the default
-(float32: the block GEMV up to 8 rows, the block GEMM above, torch's SDPA; bfloat16: int4 GEMVs
+(float32: the block GEMV up to 32 rows, the block GEMM above, torch's SDPA; bfloat16: int4 GEMVs
 up to 8 rows, dense GEMMs above) and `batch_invariant=True` (float32: the block GEMV at every
 row count and attention one query token at a time; bfloat16: dense GEMMs at every row count, a
 one-row input computed as two). For each: prefill tok/s at 128 / 512 / 2048 tokens,

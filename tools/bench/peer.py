@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     res["dtype"] = engine.config.dtype
     res["quantization"] = getattr(engine.model, "quantization", None)
     if any(isinstance(m, GGUFLinear) for m in engine.model.modules()):
-        res["quantization"] = "GGUF blocks: GEMV up to 8 rows, GEMM above"
+        res["quantization"] = "GGUF blocks: GEMV up to 32 rows, GEMM above"
     print("Brigade: prefill, single-stream and batched decode ...", flush=True)
     brigade = measure_brigade(engine, streams, reps)
     res["brigade"] = {k: round(v, 1) for k, v in brigade.items()}

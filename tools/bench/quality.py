@@ -62,7 +62,7 @@ def all_configs() -> list[QualityConfig]:
     default = _default_fields()
     label = f"{default['dtype']} {default['quantization'] or 'dense'}"
     if default["quantized_gemv"] and default["dtype"] == "float32" and not default["quantization"]:
-        label += " + GGUF blocks: GEMV up to 8 rows, GEMM above"
+        label += " + GGUF blocks: GEMV up to 32 rows, GEMM above"
     rows = [QualityConfig(f"default ({label})", **default)]
     for dtype in ("float32", "bfloat16", "float16"):
         rows.append(QualityConfig(f"{dtype} dense", dtype=dtype))
