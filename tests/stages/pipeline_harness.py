@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import anyio.abc
 
 from stages.edge.keys import KeyRing
 from stages.runtime import natsd
 from stages.runtime.bus import BusConfig
 from tests.stages.edge_harness import MODEL, RunningEdge, running_edge
 from tools.stage import PIPELINE, serve_stage
+
+
+async def start_stages(
+    tg: anyio.abc.TaskGroup,
+    names: Iterable[str],
+    config: BusConfig,
+    stop: anyio.Event,
+    *,
+    timeout_s: float = 120.0,
+) -> None:
+    """Serve each named stage in `tg` until `stop`, one after another, each ready first."""
+    for name in names:
+        ready = anyio.Event()
+        tg.start_soon(
+            lambda n=name, r=ready: serve_stage(
+                n, config=config, stop=stop, ready=r, handle_signals=False
+            )
+        )
+        with anyio.fail_after(timeout_s):
+            await ready.wait()
 
 
 @asynccontextmanager
@@ -24,15 +45,7 @@ async def running_pipeline(
     stop = anyio.Event()
     try:
         async with anyio.create_task_group() as tg:
-            for name in PIPELINE:
-                ready = anyio.Event()
-                tg.start_soon(
-                    lambda n=name, r=ready: serve_stage(
-                        n, config=config, stop=stop, ready=r, handle_signals=False
-                    )
-                )
-                with anyio.fail_after(120):
-                    await ready.wait()
+            await start_stages(tg, PIPELINE, config, stop)
             async with running_edge(config, keys, **edge_overrides) as edge:
                 yield edge, config
             stop.set()
@@ -40,4 +53,4 @@ async def running_pipeline(
         natsd.stop(server)
 
 
-__all__ = ["MODEL", "running_pipeline"]
+__all__ = ["MODEL", "running_pipeline", "start_stages"]

@@ -23,7 +23,7 @@ from stages.runtime import worker as runtime
 from stages.runtime.bus import Bus, BusConfig
 from stages.tenancy import tenants
 from tests.stages.edge_harness import ACME_KEY, MODEL, running_edge
-from tools.stage import serve_stage
+from tests.stages.pipeline_harness import start_stages
 
 pytestmark = pytest.mark.anyio
 LIGHT = ("gateway", "auth", "context", "tokenize", "detokenize", "ledger")
@@ -60,12 +60,7 @@ async def light(tmp_path_factory) -> AsyncIterator[tuple[str, BusConfig]]:
             for name, value in env.items():
                 patch.setenv(name, value)
             async with anyio.create_task_group() as tg:
-                for name in LIGHT:
-                    ready = anyio.Event()
-                    tg.start_soon(lambda n=name, r=ready: serve_stage(
-                        n, config=config, stop=stop, ready=r, handle_signals=False))  # fmt: skip
-                    with anyio.fail_after(60):
-                        await ready.wait()
+                await start_stages(tg, LIGHT, config, stop, timeout_s=60)
                 async with running_edge(config, KeyRing(path, (MODEL,))) as edge:
                     yield edge.url, config
                 stop.set()

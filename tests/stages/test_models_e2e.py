@@ -31,7 +31,7 @@ from stages.runtime.bus import Bus, BusConfig
 from stages.tenancy import tenants
 from tests.engine.tiny_llama import write_tiny_llama_with_tokenizer
 from tests.stages.edge_harness import ACME_KEY, running_edge
-from tools.stage import serve_stage
+from tests.stages.pipeline_harness import start_stages
 
 pytestmark = pytest.mark.anyio
 SMOL = "smollm2-135m"
@@ -73,12 +73,7 @@ async def served(tmp_path_factory):
             for name, value in env.items():
                 patch.setenv(name, value)
             async with anyio.create_task_group() as tg:
-                for name in LIGHT:
-                    ready = anyio.Event()
-                    tg.start_soon(lambda n=name, r=ready: serve_stage(
-                        n, config=config, stop=stop, ready=r, handle_signals=False))  # fmt: skip
-                    with anyio.fail_after(60):
-                        await ready.wait()
+                await start_stages(tg, LIGHT, config, stop, timeout_s=60)
                 keys = KeyRing(path, (SMOL,))
                 async with running_edge(config, keys, model=served_models) as edge:
                     async with httpx.AsyncClient(base_url=edge.url) as http:

@@ -20,7 +20,8 @@ from stages.runtime import worker as runtime
 from stages.runtime.bus import Bus, BusConfig
 from stages.runtime.natscluster import NatsCluster
 from tests.stages.edge_harness import ACME_KEY, MODEL, keyring_for_tests, running_edge
-from tools.stage import PIPELINE, serve_stage
+from tests.stages.pipeline_harness import start_stages
+from tools.stage import PIPELINE
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 AUTH = {"Authorization": f"Bearer {ACME_KEY}"}
@@ -87,12 +88,7 @@ async def test_the_event_log_leader_killed_mid_decode_loses_and_repeats_nothing(
     stop = anyio.Event()
     try:
         async with anyio.create_task_group() as tg:
-            for name in PIPELINE:
-                ready = anyio.Event()
-                tg.start_soon(lambda n=name, r=ready: serve_stage(
-                    n, config=config, stop=stop, ready=r, handle_signals=False))  # fmt: skip
-                with anyio.fail_after(120):
-                    await ready.wait()
+            await start_stages(tg, PIPELINE, config, stop, timeout_s=120)
             ready = anyio.Event()
             spec = archiver.spec(archiver.ArchiverConfig(archive_dir=tmp_path / "archive"))
             tg.start_soon(lambda: runtime.serve(spec, config=config, stop=stop, ready=ready,
@@ -123,7 +119,8 @@ async def test_the_event_log_leader_killed_mid_decode_loses_and_repeats_nothing(
                     cluster.launch(leader)
                 # an election (4-9 s), and what it lost published again by the bus within a
                 # few seconds, all at once: not 5 s per lost token as each run reaches its end
-                assert time.monotonic() - killed_at < 40.0
+                # (the code before took 115 s; 15-44 s here, 60 keeps room for a loaded CI)
+                assert time.monotonic() - killed_at < 60.0
                 for prompt in PROMPTS:
                     got = out[prompt]
                     assert got["status"] == 200 and got["error"] is None and got["done"], got

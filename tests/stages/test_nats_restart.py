@@ -19,7 +19,8 @@ from stages.runtime import worker as runtime
 from stages.runtime.bus import Bus, BusConfig
 from stages.tenancy import tenants
 from tests.stages.edge_harness import ACME_KEY, MODEL, keyring_for_tests, running_edge
-from tools.stage import PIPELINE, serve_stage
+from tests.stages.pipeline_harness import start_stages
+from tools.stage import PIPELINE
 
 pytestmark = pytest.mark.anyio
 AUTH = {"Authorization": f"Bearer {ACME_KEY}"}
@@ -73,12 +74,7 @@ async def test_a_full_nats_restart_mid_load_loses_no_request(tmp_path, monkeypat
     stop = anyio.Event()
     try:
         async with anyio.create_task_group() as tg:
-            for name in PIPELINE:
-                ready = anyio.Event()
-                tg.start_soon(lambda n=name, r=ready: serve_stage(
-                    n, config=config, stop=stop, ready=r, handle_signals=False))  # fmt: skip
-                with anyio.fail_after(120):
-                    await ready.wait()
+            await start_stages(tg, PIPELINE, config, stop, timeout_s=120)
             ready = anyio.Event()
             spec = archiver.spec(archiver.ArchiverConfig(archive_dir=tmp_path / "archive"))
             tg.start_soon(lambda: runtime.serve(spec, config=config, stop=stop, ready=ready,
