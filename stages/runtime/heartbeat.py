@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 import msgspec
 import nats.errors
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from schemas.bounded import decode_bounded
@@ -118,26 +119,27 @@ class Heart:
 
 
 async def beats(kv: KeyValue, timeout_s: float = 2.0) -> list[Beat]:
-    """Every live worker's latest beat (entries older than TTL_S are already gone): one
-    ordered watch over the bucket, values included, up to the end of what it holds now."""
-    watcher = await kv.watchall(ignore_deletes=True)
+    """Every live worker's latest beat (entries older than TTL_S are already gone): the
+    bucket's keys from its stream's state, then each key's last value. Not a watch: nats-py's
+    watch puts its end-of-data marker first when the consumer's info reports nothing pending
+    before the values it already delivered have reached the watcher, and such a read then
+    misses live workers (a /health flapping to 503 under load)."""
+    with anyio.fail_after(timeout_s):
+        info = await kv._js.stream_info(kv._stream, subjects_filter=f"{kv._pre}>")
     found: list[Beat] = []
-    try:
-        while True:
-            try:
-                entry = await watcher.updates(timeout=timeout_s)
-            except nats.errors.TimeoutError:
-                break
-            if entry is None:  # the end of what the bucket holds now
-                break
-            if not entry.value:
-                continue
-            try:
-                found.append(decode_bounded(_decoder, entry.value))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                log.warning("beat %s does not decode; skipped", entry.key)
-    finally:
-        await watcher.stop()
+    for subject in sorted(info.state.subjects or {}):
+        key = subject.removeprefix(kv._pre)
+        try:
+            with anyio.fail_after(timeout_s):
+                entry = await kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError, TimeoutError, nats.errors.TimeoutError):
+            continue  # gone (stopped, or aged out) since the state was read
+        if not entry.value:
+            continue
+        try:
+            found.append(decode_bounded(_decoder, entry.value))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("beat %s does not decode; skipped", key)
     return found
 
 
