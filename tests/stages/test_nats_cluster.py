@@ -128,8 +128,9 @@ async def test_the_event_log_leader_killed_mid_decode_loses_and_repeats_nothing(
                 with anyio.fail_after(30):
                     while not cluster.healthy():
                         await anyio.sleep(0.2)
-                new_leader = (await bus.js.stream_info(subjects.EVENTS_STREAM)).cluster.leader
-                assert new_leader != leader  # an election happened
+                # the stream has a leader again (the killed node, back within a second, may win
+                # the election it missed)
+                assert (await bus.js.stream_info(subjects.EVENTS_STREAM)).cluster.leader
                 for prompt in PROMPTS:
                     events = await _settled(bus, out[prompt]["rid"])
                     billed = [e for e in events if isinstance(e, RunBilled)]
