@@ -52,7 +52,9 @@ async def test_leaders_are_found_and_a_node_comes_back_on_its_ports_and_store(tm
 
         cluster.kill(follower)
         assert cluster.node(follower).pid is None and not cluster._running(follower)
-        await js.publish("t.5", b"x")  # two of three still make a quorum
+        # two of three still make a quorum; the client may have been on the killed node and is
+        # reconnecting, so the ack may take longer than the default 2 s
+        await js.publish("t.5", b"x", timeout=20)
         cluster.restart(follower)
         assert cluster.node(follower).pid not in (None, old_pid) and cluster.healthy()
         assert (await js.stream_info("T")).state.messages == 6
