@@ -321,6 +321,9 @@ class TokensGenerated(Event, tag="tokens"):
     # the first tokens event of an engine step: the tokens that step computed (prefill and decode)
     num_step_tokens: int | None = None
     model: str | None = None  # the served model's id (its tokenizer decodes these ids)
+    # tokens per second of step time an added token costs the engine, fitted over its recent
+    # steps (stages/engine_rate.py): the rate a waiting prompt is computed at (edge admission)
+    compute_tok_s: float | None = None
 
 
 class RunFinished(Event, tag="finished"):
@@ -341,6 +344,7 @@ class RunFinished(Event, tag="finished"):
     num_running: int | None = None
     kv_usage: float | None = None
     model: str | None = None  # the served model's id, as on `tokens`
+    compute_tok_s: float | None = None  # as on `tokens`
 
 
 class TextGenerated(Event, tag="text"):

@@ -42,6 +42,7 @@ from stages.engine_params import (
     rejected,
     sampling_params,
 )
+from stages.engine_rate import ComputeRate
 from stages.engine_stream import StreamConfig, StreamInterval
 from stages.runtime.cpu_priority import CpuPriority, LowPriorityThreads
 from stages.runtime.failures import StageError
@@ -130,6 +131,7 @@ class EngineStage(InputService):
         self._num_admitted = 0  # requests admitted so far, and their prompt tokens: the mean
         self._num_admitted_tokens = 0  # request's size, by which capacity() pulls
         self.step_tokens = StepTokens()  # every step's size, for the edge's iteration_tokens
+        self.compute_rate = ComputeRate()  # every step's size and time: what a token costs
         # tokens per event: one while detokenize keeps up, more while it lags (engine_stream.py)
         self.stream = StreamInterval(self.bus, StreamConfig.from_env())
 
@@ -171,6 +173,7 @@ class EngineStage(InputService):
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
             "iteration_tokens": self.step_tokens.as_detail(),
+            "compute_tok_s": self._compute_tok_s(),
         }
 
     async def admit(self, held: Held, event: PromptTokenized) -> None:
@@ -314,6 +317,7 @@ class EngineStage(InputService):
             took = time.monotonic_ns() - began
             stats = self.engine.stats()
             self.step_tokens.observe(stats.num_step_tokens)
+            self.compute_rate.observe(stats.num_step_tokens, took)
             self._step_reported = False  # the step's size rides on its first tokens event
             for out in outputs:
                 run = self.runs.get(out.request_id)
@@ -362,6 +366,7 @@ class EngineStage(InputService):
                 kv_usage=round(stats.kv_usage, 4),
                 num_step_tokens=None if self._step_reported else stats.num_step_tokens,
                 model=self.model_id,
+                compute_tok_s=self._compute_tok_s(),
             )
             first_of_step = not self._step_reported  # it carries the step's size: sent now
             self._step_reported = True
@@ -444,7 +449,12 @@ class EngineStage(InputService):
             num_running=stats.num_running,
             kv_usage=round(stats.kv_usage, 4),
             model=self.model_id,
+            compute_tok_s=self._compute_tok_s(),
         )
+
+    def _compute_tok_s(self) -> float | None:
+        rate = self.compute_rate.tok_s
+        return None if rate is None else round(rate, 1)
 
 
 def _coalesced(held: TokensGenerated, step: TokensGenerated) -> TokensGenerated:
@@ -462,6 +472,7 @@ def _coalesced(held: TokensGenerated, step: TokensGenerated) -> TokensGenerated:
         num_running=step.num_running,
         kv_usage=step.kv_usage,
         num_step_tokens=step.num_step_tokens,
+        compute_tok_s=step.compute_tok_s,
     )
 
 

@@ -2,16 +2,18 @@
 and a request past the bound is refused at once (503 `overloaded`, Retry-After from the queue).
 
 Waiting work is the runs this edge submitted that have no first token yet. A new request's time
-to its first token is estimated as the time the runs ahead of it need to start, from the start
-rate measured over the last `window_s` (first tokens per second of the time runs spent waiting:
-idle time is the clients' pace, not the engine's; with too few starts yet, their prompts at the
-measured prefill rate), plus its own prompt at the prefill rate learned from completed runs
-(`prefill_ns`), plus what first tokens took beyond such estimates lately (the hops, the engine's
-step time; learned from each run's actual wait). It is refused when runs wait and the estimate
-exceeds `max_wait_s` (batch tenants get `batch_share` of it, so interactive ones keep headroom),
-or when the engine reports its KV cache above the watermark with requests queued. A lone request
-is never refused here: whether it can ever fit the model's window is the edge's and the context
-stage's check.
+to its first token is estimated as the time the runs ahead of it need to start (the longer of
+their prompts at the prefill rate and their number at the start rate: first tokens per second
+of the time runs spent waiting over the last `window_s`, since idle time is the clients' pace,
+not the engine's), plus its own prompt at the prefill rate, plus what first tokens took beyond
+such estimates lately (the hops, the engine's step time; learned from each run's actual wait).
+The prefill rate is the engine's own (`compute_tok_s` on its events: what an added token costs
+its step, stages/engine_rate.py); until an engine reports one, the rate of finished runs'
+`prefill_ns`, which reads slow under continuous batching (a prompt shares its step with the
+decoding rows). It is refused when runs wait and the estimate exceeds `max_wait_s` (batch
+tenants get `batch_share` of it, so interactive ones keep headroom), or when the engine reports
+its KV cache above the watermark with requests queued. A lone request is never refused here:
+whether it can ever fit the model's window is the edge's and the context stage's check.
 """
 
 from __future__ import annotations
@@ -84,8 +86,9 @@ class AdmissionGate:
         self.starts: deque[tuple[float, float]] = deque()
         self.busy_s = 0.0  # seconds during which some run waited for its first token
         self._ticked = clock()
-        self.prefill_tok_s = config.prefill_tok_s
+        self.prefill_tok_s = config.prefill_tok_s  # learned from finished runs' prefill_ns
         self.num_prefill_samples = 0
+        self.engine_tok_s: float | None = None  # the engine's own, from its steps
         self.overhead_s = 0.0
         self.kv_usage: float | None = None
         self.engine_waiting: int | None = None
@@ -112,14 +115,21 @@ class AdmissionGate:
         busy = self.busy_s - self.starts[0][1]
         return (len(self.starts) - 1) / busy if busy > 1e-3 else None
 
+    @property
+    def prefill_rate(self) -> float:
+        """Prompt tokens per second: the engine's reported compute rate, else (an engine that
+        reports none yet) the rate learned from finished runs' own prefill times."""
+        return self.engine_tok_s if self.engine_tok_s is not None else self.prefill_tok_s
+
     def estimate(self, prompt_tokens: int) -> Estimate:
         ahead = list(self.waiting.values())
-        prefill = prompt_tokens / self.prefill_tok_s
+        rate = self.prefill_rate
+        prefill = prompt_tokens / rate
         if not ahead:
             return Estimate(num_ahead=0, queue_s=0.0, prefill_s=prefill, overhead_s=self.overhead_s)
-        by_prefill = sum(w.prompt_tokens for w in ahead) / self.prefill_tok_s
-        rate = self.start_rate()
-        by_starts = len(ahead) / rate if rate else 0.0
+        by_prefill = sum(w.prompt_tokens for w in ahead) / rate
+        starts = self.start_rate()
+        by_starts = len(ahead) / starts if starts else 0.0
         return Estimate(
             num_ahead=len(ahead),
             queue_s=max(by_prefill, by_starts),
@@ -173,12 +183,15 @@ class AdmissionGate:
     # ---- what the runs tell ----
 
     def observe(self, event: AnyEvent) -> None:
-        """Engine gauges, prefill rates of finished runs, and the end of a run's wait."""
+        """Engine gauges and compute rate, prefill rates of finished runs, and the end of a
+        run's wait."""
         if isinstance(event, TokensGenerated | RunFinished):
             if event.kv_usage is not None:
                 self.kv_usage = event.kv_usage
             if event.num_waiting is not None:
                 self.engine_waiting = event.num_waiting
+            if event.compute_tok_s is not None and event.compute_tok_s > 0:
+                self.engine_tok_s = event.compute_tok_s
         if isinstance(event, RunFinished):
             self._learn_prefill(event)
         if isinstance(event, TokensGenerated | TextGenerated) and event.request_id in self.waiting:

@@ -114,11 +114,16 @@ async def test_tokens_match_the_engine_alone_with_seeds_and_context(bus_config, 
     assert [t for e in tokens for t in e.token_ids] == expected
     assert [e.context_token_ids for e in tokens] == [expected[:i] for i in range(4)]
     assert all(e.service_ns > 0 and e.kv_usage is not None for e in tokens)
+    # the compute rate after the prompt's step alone: its tokens over its time
+    rate = len(prompt) / (tokens[0].service_ns / 1e9)
+    assert tokens[0].compute_tok_s == pytest.approx(rate, abs=0.06)
+    assert all(e.compute_tok_s is not None and e.compute_tok_s > 0 for e in tokens)
     (fin,) = [e for e in got["seeded"] if isinstance(e, RunFinished)]
     assert (fin.finish_reason, fin.last_seq, fin.seed) == ("length", 3, 11)
     assert (fin.usage.prompt_tokens, fin.usage.completion_tokens) == (len(prompt), 4)
     assert fin.context_token_ids == expected
     assert fin.prefill_ns > 0 and fin.decode_ns > 0
+    assert fin.compute_tok_s is not None and fin.compute_tok_s > 0
     (fin2,) = [e for e in got["noseed"] if isinstance(e, RunFinished)]
     assert fin2.seed == derived_seed("noseed") and fin2.stop == ["xyz"]
     assert context_window(["xyz"]) == 8 + 3 + 32

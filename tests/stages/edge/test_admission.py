@@ -48,6 +48,28 @@ def test_the_prefill_rate_is_learned_from_finished_runs_without_their_cached_tok
     assert gate.num_prefill_samples == 2
 
 
+def test_the_engines_compute_rate_replaces_the_runs_own_prefill_times():
+    """Runs whose 40-token prompts shared their steps with 31 decoding rows finish with ~0.16 s
+    of prefill each (250 tokens/s); the engine's steps say it computes 800 tokens/s. Six runs
+    waiting ahead: 0.96 s by the runs' own measure (refused), 0.30 s by the engine's."""
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5))
+    for i in range(5):
+        gate.observe(finished(f"done{i}", prompt_tokens=40, prefill_s=0.16))
+    assert gate.prefill_rate == pytest.approx(250.0)
+    for i in range(6):
+        gate.join(f"ahead{i}", 40)
+    assert gate.estimate(40).queue_s == pytest.approx(0.96)
+    with pytest.raises(RequestError, match=r"6 requests wait for a first token \(~0\.96 s"):
+        gate.admit("new", 40)
+    gate.observe(TokensGenerated(request_id="other", seq=5, token_ids=[1], compute_tok_s=800.0))
+    assert gate.prefill_rate == 800.0 and gate.prefill_tok_s == pytest.approx(250.0)
+    found = gate.estimate(40)
+    assert (found.queue_s, found.prefill_s) == (pytest.approx(0.3), pytest.approx(0.05))
+    gate.admit("new", 40)
+    gate.observe(finished("done5", prompt_tokens=40, prefill_s=0.16))  # no rate: still 800
+    assert gate.prefill_rate == 800.0
+
+
 def test_waiting_prompts_at_the_prefill_rate_bound_the_wait():
     gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5))
     gate.observe(finished("done", prompt_tokens=1000, prefill_s=1.0))  # 1000 tok/s
