@@ -6,18 +6,24 @@ to its first token is estimated as the time the runs ahead of it need to start (
 their prompts at the prefill rate and their number at the start rate: first tokens per second
 of the time runs spent waiting over the last `window_s`, since idle time is the clients' pace,
 not the engine's), plus its own prompt at the prefill rate, plus what first tokens took beyond
-such estimates lately (the hops, the engine's step time; learned from each run's actual wait).
+such estimates lately (the hops, the engine's step time), learned one engine step's first
+tokens at a time from the run admitted last: the prompts a step prefills start together, so
+the earlier ones waited for the later ones too, which only the last one's estimate counted.
+
 The prefill rate is the engine's own (`compute_tok_s` on its events: what an added token costs
 its step, stages/engine_rate.py); until an engine reports one, the rate of finished runs'
 `prefill_ns`, which reads slow under continuous batching (a prompt shares its step with the
-decoding rows). It is refused when runs wait and the estimate exceeds `max_wait_s` (batch
-tenants get `batch_share` of it, so interactive ones keep headroom), or when the engine reports
-its KV cache above the watermark with requests queued. A lone request is never refused here:
-whether it can ever fit the model's window is the edge's and the context stage's check.
+decoding rows).
+
+A request is refused when runs wait and the estimate exceeds `max_wait_s` (batch tenants get
+`batch_share` of it, so interactive ones keep headroom), or when the engine reports its KV
+cache above the watermark with requests queued. A lone request is never refused here: whether
+it can ever fit the model's window is the edge's and the context stage's check.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -35,6 +41,7 @@ from stages.edge.errors import RequestError
 
 RATE_WEIGHT = 0.2  # each finished run's share of the learned prefill rate (an EWMA)
 OVERHEAD_UP, OVERHEAD_DOWN = 0.5, 0.1  # a first token's share of the learned overhead
+GROUP_S = 0.01  # first tokens this close after a group's first came from one engine step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +68,7 @@ class Waiting:
     prompt_tokens: int
     since: float  # monotonic seconds
     estimate_s: float  # its estimated wait when it was admitted
+    order: int = 0  # admitted after every run of a lower order
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,10 @@ class AdmissionGate:
         self.num_prefill_samples = 0
         self.engine_tok_s: float | None = None  # the engine's own, from its steps
         self.overhead_s = 0.0
+        # first tokens of one engine step not yet learned from: (admission order, beyond)
+        self._group: list[tuple[int, float]] = []
+        self._order = itertools.count()
+        self._group_at = 0.0
         self.kv_usage: float | None = None
         self.engine_waiting: int | None = None
 
@@ -122,6 +134,7 @@ class AdmissionGate:
         return self.engine_tok_s if self.engine_tok_s is not None else self.prefill_tok_s
 
     def estimate(self, prompt_tokens: int) -> Estimate:
+        self._learn_overhead(self.clock())
         ahead = list(self.waiting.values())
         rate = self.prefill_rate
         prefill = prompt_tokens / rate
@@ -162,17 +175,20 @@ class AdmissionGate:
                 f"BRIGADE_EDGE_KV_WATERMARK) with {queued} requests queued; retry shortly",
                 retry_after_s=max(found.queue_s, 1.0),
             )
-        self.waiting[request_id] = Waiting(
-            prompt_tokens=prompt_tokens, since=self._tick(), estimate_s=found.total_s
-        )
+        self._wait(request_id, prompt_tokens, found)
 
     def join(self, request_id: str, prompt_tokens: int) -> None:
         """A later run of a request already admitted (a completions request's further prompts,
         n's further samples): never refused for waiting behind its own first run, but waiting
         work that later requests are estimated against, like any run."""
-        found = self.estimate(prompt_tokens)
+        self._wait(request_id, prompt_tokens, self.estimate(prompt_tokens))
+
+    def _wait(self, request_id: str, prompt_tokens: int, found: Estimate) -> None:
         self.waiting[request_id] = Waiting(
-            prompt_tokens=prompt_tokens, since=self._tick(), estimate_s=found.total_s
+            prompt_tokens=prompt_tokens,
+            since=self._tick(),
+            estimate_s=found.total_s,
+            order=next(self._order),
         )
 
     def release(self, request_id: str) -> None:
@@ -200,13 +216,27 @@ class AdmissionGate:
             self._forget(now)
             waited = self.waiting[event.request_id]
             beyond = (now - waited.since) - (waited.estimate_s - self.overhead_s)
-            # up fast, down slowly: the bound is kept for the slow first tokens, not the mean
-            weight = OVERHEAD_UP if beyond > self.overhead_s else OVERHEAD_DOWN
-            self.overhead_s = max(0.0, self.overhead_s + weight * (beyond - self.overhead_s))
+            self._learn_overhead(now)
+            if not self._group:
+                self._group_at = now
+            self._group.append((waited.order, beyond))
         if isinstance(
             event, TokensGenerated | TextGenerated | RunFinished | RunCompleted | RunCancelled
         ) or isinstance(event, RequestFailed):
             self.release(event.request_id)
+
+    def _learn_overhead(self, now: float) -> None:
+        """Learn from a group of first tokens once it is over, from its member admitted last.
+        The prompts one engine step prefills start together, so the earlier ones also waited
+        for those admitted after them, which their estimates did not count (they were behind);
+        the last one's estimate counted all the others."""
+        if not self._group or now - self._group_at <= GROUP_S:
+            return
+        _, beyond = max(self._group)
+        self._group.clear()
+        # up fast, down slowly: the bound is kept for the slow first tokens, not the mean
+        weight = OVERHEAD_UP if beyond > self.overhead_s else OVERHEAD_DOWN
+        self.overhead_s = max(0.0, self.overhead_s + weight * (beyond - self.overhead_s))
 
     def _learn_prefill(self, event: RunFinished) -> None:
         computed = event.usage.prompt_tokens - event.usage.cached_tokens

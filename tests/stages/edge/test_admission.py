@@ -215,3 +215,27 @@ def test_what_first_tokens_take_beyond_the_estimate_is_learned_and_counted():
     gate.admit("a", 100)  # alone: admitted
     with pytest.raises(RequestError, match=r"needs ~0\.60 s more to its first token"):
         gate.admit("b", 100)  # 0.1 ahead + 0.1 + 0.5 > 0.5, though the prompts alone fit
+
+
+def test_first_tokens_of_one_step_teach_the_overhead_from_the_last_admitted():
+    """Three 100-token prompts at 1000 tokens/s, admitted at once (estimated 0.1, 0.2 and
+    0.3 s), start together 0.35 s later in one step: the first two waited for the third's
+    prefill too, which their estimates did not count. Only the last one's 0.05 s beyond its
+    estimate is learned (half of it: up fast), once the step's first tokens are all in."""
+    clock = Clock()
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=1.0), clock=clock)
+    gate.observe(TokensGenerated(request_id="x", seq=9, token_ids=[1], compute_tok_s=1000.0))
+    for rid in "abc":
+        gate.admit(rid, 100)
+    assert [w.estimate_s for w in gate.waiting.values()] == pytest.approx([0.1, 0.2, 0.3])
+    clock.now += 0.35
+    for rid in "abc":
+        gate.observe(first_token(rid))
+    assert gate.overhead_s == 0.0  # the step's first tokens may not all be in yet
+    clock.now += 0.011
+    assert gate.estimate(100).overhead_s == pytest.approx(0.025)
+    gate.admit("d", 100)  # alone: its 0.1 s of prefill, 0.1 s beyond it, learned on its own
+    clock.now += 0.2
+    gate.observe(first_token("d"))
+    clock.now += 0.011
+    assert gate.estimate(100).overhead_s == pytest.approx(0.025 + 0.5 * (0.1 - 0.025))

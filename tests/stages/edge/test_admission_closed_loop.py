@@ -1,0 +1,203 @@
+"""Admission against a closed loop (each client sends its next request when its last ends) in
+simulated time: the edge's real gate and the engine stage's real rate fit in front of a model
+of a continuously batching engine (a step's cost is a line in its tokens). The engine's
+reported compute rate lets the loop's steady state through, where each run's own prefill time
+(stretched by the decoding rows it shares its step with) refused it; a real backlog (more runs
+than the engine's slots) is still refused."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import pytest
+
+from schemas.events import RunFinished, TokensGenerated, Usage
+from stages.edge.admission import AdmissionConfig, AdmissionGate
+from stages.edge.errors import RequestError
+from stages.engine_rate import ComputeRate
+
+# A step costs FIXED_S plus PER_TOKEN_S a token it computes: 32 decoding rows take 44.8 ms, as
+# the engine alone measured on the 2-core machine (docs/benchmarks.md); a token costs 1.2 ms,
+# so the engine computes prompts at ~833 tokens/s, while a 40-token prompt prefilled beside 31
+# decoding rows takes their whole step (91.6 ms: a run's own measure reads 437 tokens/s, less
+# where prompts share the step).
+FIXED_S, PER_TOKEN_S = 0.0064, 0.0012
+PROMPT_TOKENS = 40
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Run:
+    rid: str
+    client: int
+    admitted_s: float
+    added_s: float | None = None  # given a slot: the engine's add_request
+    num_prefilled: int = 0
+    first_s: float | None = None
+    num_out: int = 0
+
+
+@dataclass
+class Loop:
+    """Closed-loop clients, the edge's real gate, and a stepped engine (chunked prefill under a
+    token budget, one token a step for each decoding run, at most `max_num_seqs` running)."""
+
+    num_clients: int
+    num_requests: int  # per client
+    max_tokens: int
+    reports_rate: bool  # the engine puts its compute rate on its events
+    max_wait_s: float = 0.5  # BRIGADE_EDGE_MAX_WAIT_S
+    max_num_seqs: int = 64
+    budget: int = 512  # max_num_batched_tokens
+    clock: Clock = field(default_factory=Clock)
+    rate: ComputeRate = field(default_factory=ComputeRate)
+    sends: list[tuple[float, int, int]] = field(default_factory=list)  # (at, client, n refused)
+    queued: list[Run] = field(default_factory=list)  # admitted, not yet given a slot
+    running: list[Run] = field(default_factory=list)
+    refusals: list[float] = field(default_factory=list)  # when
+    num_done: int = 0
+    first_token_waits: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.gate = AdmissionGate(AdmissionConfig(max_wait_s=self.max_wait_s), clock=self.clock)
+        self.left = [self.num_requests] * self.num_clients
+        self.sends = [(0.0, c, 0) for c in range(self.num_clients)]  # they all start at once
+        heapq.heapify(self.sends)
+
+    def send(self, client: int, num_refused: int) -> None:
+        rid = f"c{client}-{self.left[client]}-{num_refused}"
+        try:
+            self.gate.admit(rid, PROMPT_TOKENS)
+        except RequestError as err:
+            self.refusals.append(self.clock.now)
+            wait = max(1, round(err.retry_after_s + 0.499))  # the edge's Retry-After header
+            heapq.heappush(self.sends, (self.clock.now + wait, client, num_refused + 1))
+            return
+        self.queued.append(Run(rid, client, admitted_s=self.clock.now))
+
+    def step(self) -> float:
+        """One engine step: what it computes, and when it ends."""
+        free = self.max_num_seqs - len(self.running)
+        for run in self.queued[:free]:
+            run.added_s = self.clock.now
+            self.running.append(run)
+        del self.queued[:free]
+        budget, computed = self.budget, []
+        for run in self.running:  # decodes first, then prompt chunks in arrival order
+            if run.first_s is not None:
+                budget -= 1
+                computed.append((run, 1))
+        for run in self.running:
+            if run.first_s is None and budget > 0:
+                chunk = min(PROMPT_TOKENS - run.num_prefilled, budget)
+                budget -= chunk
+                computed.append((run, chunk))
+        num_tokens = sum(n for _, n in computed)
+        took = FIXED_S + PER_TOKEN_S * num_tokens
+        self.clock.now += took
+        self.rate.observe(num_tokens, int(took * 1e9))
+        reported = self.rate.tok_s if self.reports_rate else None
+        for run, n in computed:
+            if run.first_s is None:
+                run.num_prefilled += n
+                if run.num_prefilled < PROMPT_TOKENS:
+                    continue
+                run.first_s = self.clock.now
+                self.first_token_waits.append(run.first_s - run.admitted_s)
+                self.gate.observe(
+                    TokensGenerated(
+                        request_id=run.rid, seq=0, token_ids=[1], compute_tok_s=reported
+                    )
+                )
+            run.num_out += 1
+            if run.num_out == self.max_tokens:
+                self.finish(run, reported)
+        return took
+
+    def finish(self, run: Run, reported: float | None) -> None:
+        self.running.remove(run)
+        self.gate.observe(
+            RunFinished(
+                request_id=run.rid,
+                finish_reason="length",
+                usage=Usage(prompt_tokens=PROMPT_TOKENS, completion_tokens=self.max_tokens),
+                prefill_ns=int((run.first_s - run.added_s) * 1e9),  # as the engine stage's
+                compute_tok_s=reported,
+            )
+        )
+        self.num_done += 1
+        self.left[run.client] -= 1
+        if self.left[run.client]:
+            heapq.heappush(self.sends, (self.clock.now, run.client, 0))
+
+    def run(self) -> Loop:
+        while self.sends or self.queued or self.running:
+            while self.sends and self.sends[0][0] <= self.clock.now:
+                _, client, num_refused = heapq.heappop(self.sends)
+                self.send(client, num_refused)
+            if self.queued or self.running:
+                self.step()
+            elif self.sends:
+                self.clock.now = self.sends[0][0]
+        return self
+
+
+def test_a_closed_loop_of_8_is_refused_only_in_its_opening_burst():
+    """Before any step the gate prices prompts at its first guess (500 tokens/s: 8 x 40 tokens
+    is 0.64 s), so two of the opening eight wait for their Retry-After. After that the engine's
+    rate lets the loop through; the runs' own measure (~306 tokens/s) refused 8 more."""
+    new = Loop(num_clients=8, num_requests=6, max_tokens=128, reports_rate=True).run()
+    old = Loop(num_clients=8, num_requests=6, max_tokens=128, reports_rate=False).run()
+    assert new.refusals == [0.0, 0.0]
+    assert new.gate.prefill_rate == pytest.approx(833.3, abs=0.1)
+    assert len([t for t in old.refusals if t > 0]) == 8
+    assert old.gate.prefill_rate == pytest.approx(306, abs=1)
+    assert new.num_done == old.num_done == 48
+    assert max(new.first_token_waits) < 0.3
+
+
+def test_a_closed_loop_of_32_is_let_through_once_the_engine_reports_its_rate():
+    """32 clients that start at once: the opening burst (1,280 prompt tokens, ~1.5 s of prefill)
+    is refused past the bound either way, and so is much of its first retry. From then on the
+    engine's rate refuses two sends in ~40 s, the runs' own measure 82; the first tokens
+    admitted still come within the bound."""
+    new = Loop(num_clients=32, num_requests=6, max_tokens=128, reports_rate=True).run()
+    old = Loop(num_clients=32, num_requests=6, max_tokens=128, reports_rate=False).run()
+    assert new.refusals.count(0.0) == old.refusals.count(0.0) == 26
+    assert (len(new.refusals), len(old.refusals)) == (50, 142)
+    assert len([t for t in new.refusals if t >= 3.0]) == 2
+    assert len([t for t in old.refusals if t >= 3.0]) == 82
+    assert new.num_done == old.num_done == 192
+    assert max(new.first_token_waits) == pytest.approx(0.5, abs=0.01)  # the bound, held
+
+
+def test_a_backlog_behind_the_engines_slots_is_still_refused():
+    """32 clients of an engine that runs 8 at a time, all ending together: the runs past the
+    eighth wait ~2.4 s for a slot, not for prefill, and without the bound the last wave's
+    first tokens come after 7.7 s. The bound refuses 253 sends and keeps the median first token
+    at 0.22 s; P95 is 1.6 s, the runs admitted just before the slots filled (the gate learns a
+    full engine only from the starts that stop coming)."""
+    kept = Loop(num_clients=32, num_requests=2, max_tokens=128, reports_rate=True, max_num_seqs=8)
+    unbounded = Loop(
+        num_clients=32,
+        num_requests=2,
+        max_tokens=128,
+        reports_rate=True,
+        max_num_seqs=8,
+        max_wait_s=1e9,
+    )
+    kept.run(), unbounded.run()
+    assert (len(kept.refusals), len(unbounded.refusals)) == (253, 0)
+    waits = sorted(kept.first_token_waits)
+    assert waits[len(waits) // 2] == pytest.approx(0.22, abs=0.01)
+    assert waits[int(0.95 * len(waits))] == pytest.approx(1.59, abs=0.01)
+    assert sorted(unbounded.first_token_waits)[32] == pytest.approx(7.66, abs=0.01)
+    assert kept.num_done == unbounded.num_done == 64
