@@ -99,6 +99,18 @@ def test_unknown_event_type_is_refused_and_unknown_fields_are_ignored():
     assert event.request_id == "r" and event.reason == "client"
 
 
+def test_the_engines_compute_rate_is_optional_on_tokens_and_finished():
+    """Events stored before the engine reported its rate decode with none; a rate goes on the
+    wire only when there is one."""
+    old = decode_event(b'{"type": "tokens", "request_id": "r", "seq": 0, "token_ids": [5]}')
+    assert isinstance(old, TokensGenerated) and old.compute_tok_s is None
+    assert b"compute_tok_s" not in encode(old)
+    done = decode_event(b'{"type": "finished", "request_id": "r", "finish_reason": "stop"}')
+    assert done.compute_tok_s is None
+    new = TokensGenerated(request_id="r", seq=1, token_ids=[6], compute_tok_s=833.3)
+    assert decode_event(encode(new)).compute_tok_s == 833.3
+
+
 def test_typed_decoder_accepts_only_its_events():
     decoder = decoder_for(PromptTokenized)
     ok = encode(PromptTokenized(request_id="r", prompt_token_ids=[1, 2]))
