@@ -51,6 +51,9 @@ class EngineConfig:
     # fp32 GGUF on the CPU: steps of <= 32 rows read the file's Q4_1 / Q8_0 blocks (the same fp32
     # weights, a sixth of the bytes; engine/gguf_linear.py); False: dense fp32 at every step
     quantized_gemv: bool = True
+    # those steps of <= 32 tokens run every layer in one C call (kernels/cpu_decode.py): the same
+    # GEMV sums, fp32 norms, RoPE and attention without the torch path's small ops
+    fused_decode: bool = True
     # reuse the K/V of full blocks a prompt shares with earlier ones (see block_manager.py)
     enable_prefix_caching: bool = False
     # speculative decoding with the n-gram proposer (spec_decode.py): draft tokens per step for
@@ -125,6 +128,7 @@ class Engine:
             quantization=config.quantization,
             batch_invariant=config.batch_invariant,
             quantized_gemv=config.quantized_gemv,
+            fused_decode=config.fused_decode,
         )
         self.tokenizer = load_tokenizer(config.model)
         limit = self.model_config.max_position_embeddings

@@ -116,6 +116,7 @@ def load_model(
     quantization: QuantizationArg = "auto",
     batch_invariant: bool = False,
     quantized_gemv: bool = True,
+    fused_decode: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a registered name, a .gguf path or an HF directory onto `device` in `dtype`.
 
@@ -127,6 +128,8 @@ def load_model(
     quantized_gemv: an fp32 GGUF model on the CPU with dense weights keeps its Q4_1 / Q8_0
     blocks and runs steps of at most 32 rows on the block GEMV, more rows on the block GEMM (the
     same weights, fewer bytes); without a C compiler, or for safetensors, the dense fp32 path.
+    fused_decode: with those blocks, steps of at most 32 tokens run every layer in one C call
+    (kernels/cpu_decode.py); off in the batch-invariant mode.
     """
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -154,6 +157,7 @@ def load_model(
         quantization=quant,
         batch_invariant=batch_invariant,
         blocks=blocks,
+        fused_decode=fused_decode,
     )
     return llama, config
 

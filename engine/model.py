@@ -15,6 +15,8 @@ from engine.attention import AttentionMetadata, AttentionPlan, paged_attend, pre
 from engine.config import ModelConfig
 from engine.gguf_linear import GGUFBlocks, GGUFLinear, concat_blocks, with_blocks
 from engine.quant import Quantization, make_linear
+from kernels import cpu_decode
+from kernels.paged_attention import token_layout
 
 
 def rope_tables(config: ModelConfig, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -101,6 +103,7 @@ class LlamaForCausalLM(nn.Module):
         quantization: Quantization | None = None,
         batch_invariant: bool = False,  # row-count-free linears and attention (engine/loader.py)
         blocks: dict[str, GGUFBlocks] | None = None,  # GGUF blocks by HF name (gguf_linear.py)
+        fused_decode: bool = True,  # steps of <= 32 tokens in one C call (kernels/cpu_decode.py)
     ) -> None:
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, device
@@ -152,8 +155,33 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_tables(config, device)
         half = config.head_dim // 2
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        self.register_buffer("rope_cos", cos.to(dtype).contiguous(), persistent=False)
+        self.register_buffer("rope_sin", sin.to(dtype).contiguous(), persistent=False)
+        self.fused = self._fused_decode() if fused_decode and not batch_invariant else None
+
+    def _fused_decode(self) -> cpu_decode.DecodeForward | None:
+        """The fused decode forward over every layer's GGUF blocks, where it applies: fp32 on
+        the CPU, every linear on blocks, a shape and a build the kernel takes."""
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            return None
+        linears = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        layers = []
+        for layer in self.layers:
+            mods = [getattr(layer, n) for n in linears]
+            if not all(isinstance(m, GGUFLinear) for m in mods):
+                return None
+            lins = [cpu_decode.Linear(m.blocks, m.kind) for m in mods]
+            layers.append(
+                cpu_decode.LayerWeights(*lins, layer.input_norm.data, layer.post_attn_norm.data)
+            )
+        c = self.config
+        shape = cpu_decode.Shape(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+            c.rms_norm_eps,
+        )  # fmt: skip
+        if shape.refusal() or not cpu_decode.available():
+            return None
+        return cpu_decode.DecodeForward(shape, layers)
 
     @torch.inference_mode()
     def forward(
@@ -166,6 +194,19 @@ class LlamaForCausalLM(nn.Module):
         """The last layer's residual stream [T, hidden]; compute_logits applies the final norm."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.config.num_layers} layers")
+        if self.fused is not None and input_ids.shape[0] <= cpu_decode.MAX_ROWS:
+            seq_idx, ctx_len = token_layout(attn.query_lens_cpu, attn.seq_lens_cpu, self.device)
+            return self.fused.forward(
+                F.embedding(input_ids, self.embed_tokens),  # [T, hidden], updated in place
+                self.rope_cos,
+                self.rope_sin,
+                positions.contiguous(),
+                attn.slot_mapping.to(torch.int64).contiguous(),
+                kv_caches,
+                attn.block_tables.to(torch.int32).contiguous(),
+                seq_idx,
+                ctx_len,
+            )
         plan = prepare_attention(attn, self.device, self.dtype, per_token=self.batch_invariant)
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]

@@ -390,6 +390,12 @@ QUANTIZED_GEMV = declare(Setting[bool](
     "0: dense fp32 weights",
     readers=("engine",),
 ))  # fmt: skip
+FUSED_DECODE = declare(Setting[bool](
+    name="BRIGADE_FUSED_DECODE", kind="bool", default=True,
+    help="fp32 GGUF steps of <= 32 tokens run every layer in one C call (kernels/cpu_decode.py); "
+    "0: layer by layer in torch",
+    readers=("engine",),
+))  # fmt: skip
 CPU_KERNEL = declare(Setting[bool](
     name="BRIGADE_CPU_KERNEL", kind="bool", default=True,
     help="the compiled CPU paged-attention kernel; 0: the pure-torch reference",

@@ -160,6 +160,7 @@ def engine_config_from_env() -> Any:
         (settings.PREFIX_CACHING, "enable_prefix_caching"),
         (settings.NUM_SPECULATIVE_TOKENS, "num_speculative_tokens"),
         (settings.QUANTIZED_GEMV, "quantized_gemv"),
+        (settings.FUSED_DECODE, "fused_decode"),
     ):
         if found.source(setting) == "env":  # else EngineConfig's own default (the same)
             kwargs[name] = found[setting]
@@ -170,9 +171,10 @@ def engine_config_from_env() -> Any:
 
 
 def configure_kernels(found: settings.Settings | None = None) -> None:
-    """The CPU attention kernel's switch, compiler and cache, and the quantized GEMV's and GEMM's
-    compiler and cache (their switch is EngineConfig.quantized_gemv), from settings."""
-    from kernels import cpu_attention, cpu_quant_gemm, cpu_quant_gemv
+    """The CPU attention kernel's switch, compiler and cache, and the quantized GEMV's, GEMM's
+    and fused decode forward's compiler and cache (their switches are EngineConfig's
+    quantized_gemv and fused_decode), from settings."""
+    from kernels import cpu_attention, cpu_decode, cpu_quant_gemm, cpu_quant_gemv
 
     found = found or settings.load()
     cpu_attention.configure(
@@ -189,6 +191,11 @@ def configure_kernels(found: settings.Settings | None = None) -> None:
     )
     cpu_quant_gemm.configure(
         cpu_quant_gemm.GemmOptions(
+            compiler=found[settings.CC], cache_root=found[settings.XDG_CACHE_HOME]
+        )
+    )
+    cpu_decode.configure(
+        cpu_decode.DecodeOptions(
             compiler=found[settings.CC], cache_root=found[settings.XDG_CACHE_HOME]
         )
     )

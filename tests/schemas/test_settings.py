@@ -124,6 +124,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_PREFIX_CACHING": True,  # the served engine's default; EngineConfig's is off
         "BRIGADE_NUM_SPECULATIVE_TOKENS": 0,
         "BRIGADE_QUANTIZED_GEMV": True,
+        "BRIGADE_FUSED_DECODE": True,
         "BRIGADE_STREAM_MAX_COALESCE": 1,
         "BRIGADE_STREAM_LAG_POLL_S": 0.1,
         "BRIGADE_CPU_KERNEL": True,
@@ -177,6 +178,7 @@ def test_the_defaults_agree_with_the_configs_they_fill():
     assert (engine.batch_invariant, engine.enable_prefix_caching) == (False, False)
     assert engine.num_speculative_tokens == settings.NUM_SPECULATIVE_TOKENS.default
     assert engine.quantized_gemv == settings.QUANTIZED_GEMV.default
+    assert engine.fused_decode == settings.FUSED_DECODE.default
     assert DEFAULT_KV_CACHE_BYTES == settings.KV_CACHE_BYTES.default
     from engine.engine import DTYPES
 

@@ -92,6 +92,10 @@ def test_engine_config_from_the_environment(monkeypatch):
     monkeypatch.setenv("BRIGADE_QUANTIZED_GEMV", "0")
     assert engine_config_from_env().quantized_gemv is False
     monkeypatch.delenv("BRIGADE_QUANTIZED_GEMV")
+    assert engine_config_from_env().fused_decode is True
+    monkeypatch.setenv("BRIGADE_FUSED_DECODE", "0")
+    assert engine_config_from_env().fused_decode is False
+    monkeypatch.delenv("BRIGADE_FUSED_DECODE")
     monkeypatch.setenv("BRIGADE_MAX_NUM_SEQS", "four")
     with pytest.raises(ValueError, match="BRIGADE_MAX_NUM_SEQS='four'"):
         engine_config_from_env()

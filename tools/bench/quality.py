@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ class QualityConfig:
     num_speculative_tokens: int = 0
     enable_prefix_caching: bool = False
     quantized_gemv: bool = True  # fp32 GGUF decode on the Q4_1 / Q8_0 blocks (gguf_linear.py)
+    fused_decode: bool = True  # and its steps of <= 32 tokens in one C call (cpu_decode.py)
     engine_kwargs: dict = field(default_factory=dict)
 
     @property
@@ -54,6 +56,7 @@ class QualityConfig:
             "num_speculative_tokens": self.num_speculative_tokens,
             "enable_prefix_caching": self.enable_prefix_caching,
             "quantized_gemv": self.quantized_gemv,
+            "fused_decode": self.fused_decode,
         }
 
 
@@ -63,7 +66,11 @@ def all_configs() -> list[QualityConfig]:
     label = f"{default['dtype']} {default['quantization'] or 'dense'}"
     if default["quantized_gemv"] and default["dtype"] == "float32" and not default["quantization"]:
         label += " + GGUF blocks: GEMV up to 32 rows, GEMM above"
+        if default["fused_decode"]:
+            label += "; steps up to 32 tokens fused"
     rows = [QualityConfig(f"default ({label})", **default)]
+    rows.append(QualityConfig("float32 GGUF blocks, layer by layer (fused decode off)",
+                              fused_decode=False))  # fmt: skip
     for dtype in ("float32", "bfloat16", "float16"):
         rows.append(QualityConfig(f"{dtype} dense", dtype=dtype))
     rows.append(QualityConfig("float32 dense (dense decode)", quantized_gemv=False))
@@ -113,6 +120,7 @@ def _default_fields() -> dict:
         "num_speculative_tokens": c.num_speculative_tokens,
         "enable_prefix_caching": c.enable_prefix_caching,
         "quantized_gemv": c.quantized_gemv,
+        "fused_decode": c.fused_decode,
     }
 
 
@@ -126,7 +134,12 @@ def register(subparsers) -> None:
         "--quick", action="store_true", help="1,024 corpus tokens, 16 prompts of 24 tokens"
     )
     p.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per chat answer")
-    p.add_argument("--only", default=None, help="comma-separated row names to run")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        help="a row to run, by the start of its name (repeat it for more): --only default",
+    )
     p.add_argument(
         "--llama-cpp-dir",
         default=None,
@@ -262,9 +275,11 @@ def run(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens or (24 if args.quick else 64)
     prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     configs = all_configs()
-    if args.only:
-        names = set(args.only.split(","))
-        configs = [c for c in configs if c.name in names]
+    if args.only:  # row names hold commas, so each --only is one prefix
+        configs = [c for c in configs if any(c.name.startswith(p) for p in args.only)]
+        if not configs:
+            print(f"no row starts with {' or '.join(map(repr, args.only))}", file=sys.stderr)
+            return 2
 
     path = resolve_model(args.model)
     model_config, weights = read_hf_dir(path) if model_format(path) == "hf" else read_gguf(path)
@@ -303,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
                 quantization=c.quantization,
                 batch_invariant=c.batch_invariant,
                 quantized_gemv=c.quantized_gemv,
+                fused_decode=c.fused_decode,
             )
             row["teacher_forced"] = teacher_forced(
                 model, ref, segments, spec_tokens=c.num_speculative_tokens

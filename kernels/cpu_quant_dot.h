@@ -1,0 +1,179 @@
+/* The block GEMV's inner loops, shared by the GEMV (cpu_quant_gemv.c) and the fused decode
+ * forward (cpu_decode.c): one output feature's dot products against up to MAX_ROWS rows of x
+ * (dot_row), and a whole GEMV's tiles of output features shared by the threads of an OpenMP
+ * region that is already running (gemv_tiles: an orphaned `omp for`, so the fused forward runs
+ * every GEMV of a step inside one region). Include "cpu_quant_blocks.h" first.
+ *
+ * Each y value is one thread's sum, so a row's result does not depend on the thread count or on
+ * the other rows. Rows go in groups of MAX_ROWS through each tile of output features (its blocks
+ * stay in cache across the groups), and a row's sums are computed the same way whatever the size
+ * of its group.
+ */
+#ifndef BRIGADE_CPU_QUANT_DOT_H
+#define BRIGADE_CPU_QUANT_DOT_H
+#define MAX_ROWS 8
+
+#if ISA_LEVEL == 2
+static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+#elif ISA_LEVEL == 1
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* One output feature: its row of blocks `w` against R rows of x -> sums[R]. Inlined with a
+ * constant R, so the accumulators live in vector registers. Q8 selects the block kind. */
+static inline __attribute__((always_inline)) void dot_row(
+    const int R, const int Q8, const uint8_t *w, int nb, const float *x, int64_t x_stride,
+    float *sums) {
+    const int block_bytes = Q8 ? Q8_0_BYTES : Q4_1_BYTES;
+#if ISA_LEVEL == 2
+    __m512 acc0[MAX_ROWS], acc1[MAX_ROWS];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *blk = w + (int64_t)b * block_bytes;
+        const __m512 d = _mm512_set1_ps(half_to_float(blk));
+        __m512 w0, w1;  /* weights 0..15 and 16..31 of the block */
+        if (Q8) {
+            const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+            const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+            w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+            w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        } else {
+            const __m512 m = _mm512_set1_ps(half_to_float(blk + 2));
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
+            const __m128i lo = _mm_and_si128(qs, low4);
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+            w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m);
+            w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const float *xb = x + r * x_stride + (int64_t)b * QK;
+            acc0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc1[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) sums[r] = hsum(_mm512_add_ps(acc0[r], acc1[r]));
+#elif ISA_LEVEL == 1
+    /* two accumulators a row (halves of the block), at every R: a row's sum is the same
+     * whatever rows share the call (past R = 4 some live on the stack) */
+    __m256 acc[MAX_ROWS][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *blk = w + (int64_t)b * block_bytes;
+        const __m256 d = _mm256_set1_ps(half_to_float(blk));
+        __m256 wv[4];  /* weights 0..7, 8..15, 16..23, 24..31 of the block */
+        if (Q8) {
+            const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+            const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+            const __m128i parts[4] = {q0, _mm_srli_si128(q0, 8), q1, _mm_srli_si128(q1, 8)};
+            for (int k = 0; k < 4; ++k)
+                wv[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[k])));
+        } else {
+            const __m256 m = _mm256_set1_ps(half_to_float(blk + 2));
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
+            const __m128i lo = _mm_and_si128(qs, low4);
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int k = 0; k < 4; ++k)
+                wv[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k])), m);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const float *xb = x + r * x_stride + (int64_t)b * QK;
+            for (int k = 0; k < 4; ++k)
+                acc[r][k & 1] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + 8 * k), acc[r][k & 1]);
+        }
+    }
+    for (int r = 0; r < R; ++r) sums[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+#else
+    float acc[MAX_ROWS][QK];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < QK; ++i) acc[r][i] = 0.0f;
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t *blk = w + (int64_t)b * block_bytes;
+        const float d = half_to_float(blk);
+        float wv[QK];
+        if (Q8) {
+            for (int i = 0; i < QK; ++i) wv[i] = d * (float)(int8_t)blk[2 + i];
+        } else {
+            const float m = half_to_float(blk + 2);
+            for (int i = 0; i < QK / 2; ++i) {
+                wv[i] = d * (float)(blk[4 + i] & 0x0f) + m;
+                wv[i + QK / 2] = d * (float)(blk[4 + i] >> 4) + m;
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const float *xb = x + r * x_stride + (int64_t)b * QK;
+            for (int i = 0; i < QK; ++i) acc[r][i] += wv[i] * xb[i];
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        float s = 0.0f;
+        for (int i = 0; i < QK; ++i) s += acc[r][i];
+        sums[r] = s;
+    }
+#endif
+}
+
+#define ROWS_CASE(R)                                                          \
+    case R:                                                                   \
+        dot_row(R, Q8, w + (o0 + j) * row_bytes, nb, xg, x_stride, sums);     \
+        break;
+
+/* Output features go in tiles of TILE, each tile's sums stored row by row as one run: storing
+ * each feature's R sums straight to y hits rows that are a multiple of 4 KiB apart (49152 fp32
+ * logits), and the stores alias (8 rows of the LM head took 3x as long). */
+#define TILE 64
+
+static inline __attribute__((always_inline)) void gemv_tiles_kind(
+    const int Q8, const int ADD, const uint8_t *w, int64_t out_features, int64_t in_features,
+    const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride) {
+    const int nb = (int)(in_features / QK);
+    const int64_t row_bytes = (int64_t)nb * (Q8 ? Q8_0_BYTES : Q4_1_BYTES);
+    const int64_t num_tiles = (out_features + TILE - 1) / TILE;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+        const int64_t o0 = t * TILE;
+        const int n = out_features - o0 < TILE ? (int)(out_features - o0) : TILE;
+        float tile[MAX_ROWS][TILE];
+        for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
+            const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;
+            const float *xg = x + (int64_t)g0 * x_stride;
+            for (int j = 0; j < n; ++j) {
+                float sums[MAX_ROWS];
+                switch (group) {
+                    ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+                    ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+                }
+                for (int r = 0; r < group; ++r) tile[r][j] = sums[r];
+            }
+            for (int r = 0; r < group; ++r) {
+                float *yr = y + (int64_t)(g0 + r) * y_stride + o0;
+                if (ADD)  /* y += x W^T: the residual add of a layer's output projection */
+                    for (int j = 0; j < n; ++j) yr[j] += tile[r][j];
+                else
+                    memcpy(yr, tile[r], n * sizeof(float));
+            }
+        }
+    }
+}
+
+/* y = x W^T (add = 0) or y += x W^T (add = 1) for blocks of kind q8 (1: Q8_0, 0: Q4_1), inside a
+ * running OpenMP region (every thread of it must call it; it ends with the `omp for` barrier). */
+static inline void gemv_tiles(int q8, int add, const uint8_t *w, int64_t out_features,
+                              int64_t in_features, const float *x, int64_t x_stride, int rows,
+                              float *y, int64_t y_stride) {
+    if (q8 && add) gemv_tiles_kind(1, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride);
+    else if (q8) gemv_tiles_kind(1, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride);
+    else if (add) gemv_tiles_kind(0, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride);
+    else gemv_tiles_kind(0, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride);
+}
+
+#endif

@@ -1,0 +1,246 @@
+"""The fused fp32 decode forward against the model's own layer-by-layer torch path, at each
+instruction-set level, on a small random Llama over GGUF blocks (both kinds, GQA).
+
+Both paths run the same block GEMV for every linear; they differ in the order of the fp32 sums
+of the norms, RoPE, softmax and attention. Tolerance: |fused - torch| <= 1e-5 * (1 + the row's
+largest |torch|), elementwise, on the last layer's residual stream and on every K/V written (an
+fp32 sum's rounding scales with its terms, of the row's order); a wrong head, slot, position or
+causal bound is O(1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.gguf_linear import GGUFBlocks
+from engine.model import LlamaForCausalLM
+from kernels import cpu_decode
+from kernels import cpu_quant_gemv as qg
+from kernels.cpu_decode import DecodeOptions, Shape
+from tests.kernels.test_cpu_quant_gemv import random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler")
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 96, 2
+VOCAB, MAX_POS, BLOCK, NUM_BLOCKS = 50, 128, 4, 512
+HERE = qg.cpu_flags()
+# each layer's linears: (q, k, v) and (gate, up) share a kind, so they fuse; both kinds appear
+KINDS = [
+    {"qkv": "q4_1", "o": "q8_0", "gate_up": "q4_1", "down": "q8_0"},
+    {"qkv": "q8_0", "o": "q4_1", "gate_up": "q8_0", "down": "q4_1"},
+]
+
+
+def small_model(fused_decode: bool = True) -> LlamaForCausalLM:
+    config = ModelConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM, intermediate_size=FFN, vocab_size=VOCAB, rope_theta=10000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=MAX_POS, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+        "model.norm.weight": 1 + 0.1 * torch.randn(HIDDEN, generator=g),
+        "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g) * 0.2,
+    }
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    shapes = {
+        "self_attn.q_proj": ("qkv", q, HIDDEN), "self_attn.k_proj": ("qkv", kv, HIDDEN),
+        "self_attn.v_proj": ("qkv", kv, HIDDEN), "self_attn.o_proj": ("o", HIDDEN, q),
+        "mlp.gate_proj": ("gate_up", FFN, HIDDEN), "mlp.up_proj": ("gate_up", FFN, HIDDEN),
+        "mlp.down_proj": ("down", HIDDEN, FFN),
+    }  # fmt: skip
+    blocks: dict[str, GGUFBlocks] = {}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        weights[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(HIDDEN, generator=g)
+        weights[p + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(HIDDEN, generator=g)
+        for j, (name, (group, out, inp)) in enumerate(shapes.items()):
+            kind = KINDS[i][group]
+            data = random_blocks(kind, out, inp, seed=10 * i + j)
+            blocks[p + name + ".weight"] = GGUFBlocks(kind, data)
+            weights[p + name + ".weight"] = qg.dequantize(data, kind)
+    return LlamaForCausalLM(
+        config,
+        weights,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        blocks=blocks,
+        fused_decode=fused_decode,
+    )
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return small_model()
+
+
+def random_caches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's K and V pool filled with random values: the keys before a step's tokens."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(LAYERS)]
+
+
+def step(
+    queries: list[tuple[int, int]],  # per sequence: (tokens already cached, new tokens)
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A step's input ids, positions and metadata; each sequence owns the blocks after the last
+    one's, in reverse order (a table is not a range), its table padded with -1."""
+    g = torch.Generator().manual_seed(len(queries))
+    ids, positions, slots, qlens, slens, tables = [], [], [], [], [], []
+    width = max((c + n + BLOCK - 1) // BLOCK for c, n in queries)
+    first = 0
+    for cached, new in queries:
+        own = (cached + new + BLOCK - 1) // BLOCK
+        table = list(range(first + own - 1, first - 1, -1)) + [-1] * (width - own)
+        first += own
+        for pos in range(cached, cached + new):
+            positions.append(pos)
+            slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
+        ids += torch.randint(0, VOCAB, (new,), generator=g).tolist()
+        qlens.append(new)
+        slens.append(cached + new)
+        tables.append(table)
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    attn = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(slens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_lens_cpu=qlens,
+        seq_lens_cpu=slens,
+        block_size=BLOCK,
+    )
+    return torch.tensor(ids), torch.tensor(positions), attn
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.isfinite(got).all()
+    scale = want.abs().amax(dim=-1, keepdim=True)  # each row's terms are of its largest's order
+    bound = 1e-5 * (1 + scale)
+    worst = float(((got - want).abs() - bound).max())
+    assert worst <= 0, f"worst error {worst:.3g} over the bound"
+
+
+def run_both(model: LlamaForCausalLM, queries: list[tuple[int, int]], lib=None):
+    ids, positions, attn = step(queries)
+    fused_caches, torch_caches = random_caches(1), random_caches(1)
+    fused = model.fused
+    assert fused is not None
+    if lib is None:
+        got = model(ids, positions, fused_caches, attn)
+    else:  # a forced level's library, straight to the kernel
+        seq_idx = torch.tensor(
+            [i for i, n in enumerate(attn.query_lens_cpu) for _ in range(n)], dtype=torch.int32
+        )
+        ctx = (positions + 1).to(torch.int32)
+        x = torch.nn.functional.embedding(ids, model.embed_tokens)
+        got = fused.forward(
+            x, model.rope_cos, model.rope_sin, positions, attn.slot_mapping, fused_caches,
+            attn.block_tables, seq_idx, ctx, lib=lib,
+        )  # fmt: skip
+    model.fused = None
+    try:
+        want = model(ids, positions, torch_caches, attn)
+    finally:
+        model.fused = fused
+    return got, want, fused_caches, torch_caches, attn
+
+
+CASES = {
+    "one decode row": [(37, 1)],
+    "decode rows of four contexts": [(0, 1), (7, 1), (8, 1), (63, 1)],
+    "a prefill chunk beside decode rows": [(5, 12), (30, 1), (0, 1)],
+    "drafts to verify": [(20, 4), (9, 4)],
+    "thirty-two rows": [(i, 1) for i in range(0, 96, 3)],
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_fused_forward_is_the_torch_paths_up_to_summation_order(model, case):
+    got, want, fused_caches, torch_caches, attn = run_both(model, CASES[case])
+    assert got.shape == want.shape == (sum(attn.query_lens_cpu), HIDDEN)
+    assert_close(got, want)
+    logits_got, logits_want = model.compute_logits(got), model.compute_logits(want)
+    assert torch.equal(logits_got.argmax(-1), logits_want.argmax(-1))
+    slots = attn.slot_mapping
+    for (kf, vf), (kt, vt) in zip(fused_caches, torch_caches, strict=True):
+        for f, t in ((kf, kt), (vf, vt)):
+            flat_f, flat_t = f.view(-1, KV_HEADS, HEAD_DIM), t.view(-1, KV_HEADS, HEAD_DIM)
+            assert_close(flat_f[slots], flat_t[slots])  # this step's K (after RoPE) and V
+            keep = torch.ones(flat_f.shape[0], dtype=torch.bool)
+            keep[slots] = False
+            assert torch.equal(flat_f[keep], flat_t[keep])  # nothing else is written
+
+
+def test_the_model_takes_it_only_for_steps_of_at_most_max_rows(model, monkeypatch):
+    calls = []
+    monkeypatch.setattr(model.fused, "forward", lambda *a, **k: calls.append(a[0].shape[0]))
+    for n in (1, cpu_decode.MAX_ROWS):
+        ids, positions, attn = step([(0, n)])
+        model(ids, positions, random_caches(0), attn)
+    ids, positions, attn = step([(0, cpu_decode.MAX_ROWS + 1)])
+    out = model(ids, positions, random_caches(0), attn)  # the torch path
+    assert calls == [1, cpu_decode.MAX_ROWS]
+    assert out.shape == (cpu_decode.MAX_ROWS + 1, HIDDEN)
+
+
+def test_it_is_off_when_asked():
+    assert small_model(fused_decode=False).fused is None
+    assert small_model().fused is not None
+
+
+def test_an_index_out_of_range_is_refused_before_anything_is_written(model):
+    ids, positions, attn = step([(6, 2)])
+    caches = random_caches(2)
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    attn.slot_mapping[1] = NUM_BLOCKS * BLOCK  # one past the pool
+    with pytest.raises(IndexError, match="out of range"):
+        model(ids, positions, caches, attn)
+    attn.slot_mapping[1] = 0
+    attn.block_tables[0, 0] = NUM_BLOCKS  # a block id past the pool, in the keys' span
+    with pytest.raises(IndexError, match="out of range"):
+        model(ids, positions, caches, attn)
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("level", qg.ISA_LEVELS)
+def test_each_forced_level_matches_the_torch_path(model, level):
+    if not qg.ISA_NEEDS[level] <= HERE and qg.is_x86():
+        pytest.skip(f"this CPU lacks {sorted(qg.ISA_NEEDS[level] - HERE)}")
+    cpu_decode.configure(DecodeOptions(isa=level))
+    try:
+        lib = cpu_decode.load()
+        assert lib is not None
+        if qg.is_x86():
+            assert cpu_decode.library_isa(lib) == level  # the path it was asked for
+        for case in ("decode rows of four contexts", "a prefill chunk beside decode rows"):
+            got, want, *_ = run_both(model, CASES[case], lib=lib)
+            assert_close(got, want)
+    finally:
+        cpu_decode.configure(DecodeOptions())
+
+
+@pytest.mark.parametrize(
+    ("shape", "reason"),
+    [
+        (Shape(64, 4, 2, 258, 96, 1e-5), "head_dim 258"),
+        (Shape(64, 4, 2, 15, 96, 1e-5), "head_dim 15"),
+        (Shape(64, 34, 2, 16, 96, 1e-5), "34 heads over 2 KV heads"),
+        (Shape(64, 4, 3, 16, 96, 1e-5), "4 heads over 3 KV heads"),
+        (Shape(48, 4, 2, 16, 96, 1e-5), "hidden 48"),
+        (Shape(64, 4, 2, 16, 80, 1e-5), "ffn 80"),
+    ],
+)
+def test_it_refuses_shapes_it_cannot_compute(shape, reason):
+    assert reason in (shape.refusal() or "")
+    with pytest.raises(ValueError, match=reason):
+        cpu_decode.DecodeForward(shape, [])
