@@ -7,8 +7,8 @@ their prompts at the prefill rate and their number at the start rate: first toke
 of the time runs spent waiting over the last `window_s`, since idle time is the clients' pace,
 not the engine's), plus its own prompt at the prefill rate, plus what first tokens took beyond
 such estimates lately (the hops, the engine's step time), learned one engine step's first
-tokens at a time from the run admitted last: the prompts a step prefills start together, so
-the earlier ones waited for the later ones too, which only the last one's estimate counted.
+tokens at a time: the prompts a step prefills start together, so each also waited for those
+admitted after it, which its estimate did not count; that prefill is no overhead.
 
 The prefill rate is the engine's own (`compute_tok_s` on its events: what an added token costs
 its step, stages/engine_rate.py); until an engine reports one, the rate of finished runs'
@@ -98,8 +98,9 @@ class AdmissionGate:
         self.num_prefill_samples = 0
         self.engine_tok_s: float | None = None  # the engine's own, from its steps
         self.overhead_s = 0.0
-        # first tokens of one engine step not yet learned from: (admission order, beyond)
-        self._group: list[tuple[int, float]] = []
+        # first tokens of one engine step not yet learned from: (admission order, prompt
+        # tokens, seconds beyond the estimate)
+        self._group: list[tuple[int, int, float]] = []
         self._order = itertools.count()
         self._group_at = 0.0
         self.kv_usage: float | None = None
@@ -219,24 +220,28 @@ class AdmissionGate:
             self._learn_overhead(now)
             if not self._group:
                 self._group_at = now
-            self._group.append((waited.order, beyond))
+            self._group.append((waited.order, waited.prompt_tokens, beyond))
         if isinstance(
             event, TokensGenerated | TextGenerated | RunFinished | RunCompleted | RunCancelled
         ) or isinstance(event, RequestFailed):
             self.release(event.request_id)
 
     def _learn_overhead(self, now: float) -> None:
-        """Learn from a group of first tokens once it is over, from its member admitted last.
-        The prompts one engine step prefills start together, so the earlier ones also waited
-        for those admitted after them, which their estimates did not count (they were behind);
-        the last one's estimate counted all the others."""
+        """Learn from a group of first tokens once it is over. The prompts one engine step
+        prefills start together, so each also waited for those admitted after it, which its
+        estimate did not count (they were behind it): that prefill is not overhead."""
         if not self._group or now - self._group_at <= GROUP_S:
             return
-        _, beyond = max(self._group)
-        self._group.clear()
-        # up fast, down slowly: the bound is kept for the slow first tokens, not the mean
-        weight = OVERHEAD_UP if beyond > self.overhead_s else OVERHEAD_DOWN
-        self.overhead_s = max(0.0, self.overhead_s + weight * (beyond - self.overhead_s))
+        group, self._group = sorted(self._group), []
+        later_tokens = 0
+        beyonds = []
+        for _, prompt_tokens, beyond in reversed(group):
+            beyonds.append(beyond - later_tokens / self.prefill_rate)
+            later_tokens += prompt_tokens
+        for beyond in reversed(beyonds):  # in admission order
+            # up fast, down slowly: the bound is kept for the slow first tokens, not the mean
+            weight = OVERHEAD_UP if beyond > self.overhead_s else OVERHEAD_DOWN
+            self.overhead_s = max(0.0, self.overhead_s + weight * (beyond - self.overhead_s))
 
     def _learn_prefill(self, event: RunFinished) -> None:
         computed = event.usage.prompt_tokens - event.usage.cached_tokens

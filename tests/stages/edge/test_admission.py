@@ -217,11 +217,12 @@ def test_what_first_tokens_take_beyond_the_estimate_is_learned_and_counted():
         gate.admit("b", 100)  # 0.1 ahead + 0.1 + 0.5 > 0.5, though the prompts alone fit
 
 
-def test_first_tokens_of_one_step_teach_the_overhead_from_the_last_admitted():
+def test_first_tokens_of_one_step_learn_no_overhead_from_each_others_prefill():
     """Three 100-token prompts at 1000 tokens/s, admitted at once (estimated 0.1, 0.2 and
-    0.3 s), start together 0.35 s later in one step: the first two waited for the third's
-    prefill too, which their estimates did not count. Only the last one's 0.05 s beyond its
-    estimate is learned (half of it: up fast), once the step's first tokens are all in."""
+    0.3 s), start together 0.35 s later in one step: the first two also waited for the
+    prompts admitted after them (0.2 and 0.1 s), which their estimates rightly did not count.
+    Each is 0.05 s beyond its estimate once that is taken off, learned when the step's first
+    tokens are all in; taken as they came (0.25, 0.15, 0.05 s) the overhead would be 0.13 s."""
     clock = Clock()
     gate = AdmissionGate(AdmissionConfig(max_wait_s=1.0), clock=clock)
     gate.observe(TokensGenerated(request_id="x", seq=9, token_ids=[1], compute_tok_s=1000.0))
@@ -233,9 +234,10 @@ def test_first_tokens_of_one_step_teach_the_overhead_from_the_last_admitted():
         gate.observe(first_token(rid))
     assert gate.overhead_s == 0.0  # the step's first tokens may not all be in yet
     clock.now += 0.011
-    assert gate.estimate(100).overhead_s == pytest.approx(0.025)
+    learned = 0.05 * (1 - 0.5**3)  # three samples of 0.05 s, each weighing half (up fast)
+    assert gate.estimate(100).overhead_s == pytest.approx(learned)
     gate.admit("d", 100)  # alone: its 0.1 s of prefill, 0.1 s beyond it, learned on its own
     clock.now += 0.2
     gate.observe(first_token("d"))
     clock.now += 0.011
-    assert gate.estimate(100).overhead_s == pytest.approx(0.025 + 0.5 * (0.1 - 0.025))
+    assert gate.estimate(100).overhead_s == pytest.approx(learned + 0.5 * (0.1 - learned))
