@@ -6,7 +6,8 @@
  *   1  h = rms_norm(x) * input_norm                      (rows)
  *   2  qkv = h Wqkv^T                                    (tiles of output features)
  *   3  RoPE on q and k, k and v written to their slots   (token, head) pairs
- *   4  o = softmax(q k^T * scale) v per query head       (token, KV head) pairs, GQA groups
+ *   4  o = softmax(q k^T * scale) v per query head       (token, KV head) pairs, GQA groups;
+ *                                                        (token, head) pairs for a few tokens
  *   5  x += o Wo^T                                       (tiles)
  *   6  h = rms_norm(x) * post_attention_norm             (rows)
  *   7  [g, u] = h Wgate_up^T                             (tiles)
@@ -37,6 +38,13 @@
 #include "cpu_quant_blocks.h"
 #include "cpu_quant_dot.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+static inline int omp_threads(void) { return omp_get_num_threads(); }
+#else
+static inline int omp_threads(void) { return 1; }
+#endif
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 
@@ -62,20 +70,86 @@ static void rope_head(float *v, const float *cos, const float *sin, int D) {
     memcpy(v, r, sizeof(float) * D);
 }
 
-/* One token's G query heads (q, G * D) against the keys of its sequence up to ctx_len, into o. */
+/* The weighted sum of V for one head, o = inv * sum_t p[t] v[t], 64 dims at a time held in
+ * registers over all keys (D a multiple of 64; AVX2 or AVX-512). */
+#if ISA_LEVEL > 0
+static void weigh_values_64(const float *p, const float *v_cache, const int64_t *offs, int len,
+                            int D, float inv, float *o) {
+#if ISA_LEVEL == 2
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int t = 0; t < len; ++t) {
+            const float *v = v_cache + offs[t] + d0;
+            const __m512 pt = _mm512_set1_ps(p[t]);
+            a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v), a0);
+            a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16), a1);
+            a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 32), a2);
+            a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 48), a3);
+        }
+        const __m512 s = _mm512_set1_ps(inv);
+        _mm512_storeu_ps(o + d0, _mm512_mul_ps(a0, s));
+        _mm512_storeu_ps(o + d0 + 16, _mm512_mul_ps(a1, s));
+        _mm512_storeu_ps(o + d0 + 32, _mm512_mul_ps(a2, s));
+        _mm512_storeu_ps(o + d0 + 48, _mm512_mul_ps(a3, s));
+    }
+#else
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        __m256 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+        for (int t = 0; t < len; ++t) {
+            const float *v = v_cache + offs[t] + d0;
+            const __m256 pt = _mm256_set1_ps(p[t]);
+            for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), a[i]);
+        }
+        for (int i = 0; i < 8; ++i)
+            _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(a[i], _mm256_set1_ps(inv)));
+    }
+#endif
+}
+#endif
+
+/* One token's G query heads (q, G * D) against the keys of its sequence up to `len`, into o.
+ * `offs` [len]: scratch for each key's offset in the cache; `scores` [G, len]. */
 static void attend(const float *q, const float *k_cache, const float *v_cache,
                    const int32_t *table, int len, int block_size, int64_t token_stride, int D,
-                   int G, float scale, float *scores, float *o) {
-    float mx[MAX_GROUP], inv[MAX_GROUP];
+                   int G, float scale, float *scores, int64_t *offs, float *o) {
+    float mx[MAX_GROUP];
+    for (int t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) /* each key's row in the pool */
+        for (int t = t0; t < len && t < t0 + block_size; ++t)
+            offs[t] = ((int64_t)table[b] * block_size + (t - t0)) * token_stride;
     for (int g = 0; g < G; ++g) mx[g] = -FLT_MAX;
     int t = 0;
-#if ISA_LEVEL > 0
-    if (D % 8 == 0) { /* 8 keys at a time: 8 lane-wise dot products, then one transposing sum */
+#if ISA_LEVEL == 2
+    if (D % 16 == 0) { /* 8 keys at a time: 8 lane-wise dot products, then one transposing sum */
         for (; t + 8 <= len; t += 8) {
-            const float *k[8];
-            for (int i = 0; i < 8; ++i)
-                k[i] = k_cache + ((int64_t)table[(t + i) / block_size] * block_size +
-                                  (t + i) % block_size) * token_stride;
+            for (int g = 0; g < G; ++g) {
+                const float *qg = q + g * D;
+                __m512 a[8];
+                for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
+                for (int d = 0; d < D; d += 16) {
+                    const __m512 qv = _mm512_loadu_ps(qg + d);
+                    for (int i = 0; i < 8; ++i)
+                        a[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k_cache + offs[t + i] + d), a[i]);
+                }
+                __m256 h[8];
+                for (int i = 0; i < 8; ++i)
+                    h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
+                                         _mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                             _mm512_castps_pd(a[i]), 1)));
+                const __m256 h01 = _mm256_hadd_ps(h[0], h[1]), h23 = _mm256_hadd_ps(h[2], h[3]);
+                const __m256 h45 = _mm256_hadd_ps(h[4], h[5]), h67 = _mm256_hadd_ps(h[6], h[7]);
+                const __m256 h0 = _mm256_hadd_ps(h01, h23), h1 = _mm256_hadd_ps(h45, h67);
+                const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                                                  _mm256_permute2f128_ps(h0, h1, 0x31));
+                float *out = scores + (int64_t)g * len + t;
+                _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+                for (int i = 0; i < 8; ++i) mx[g] = out[i] > mx[g] ? out[i] : mx[g];
+            }
+        }
+    }
+#elif ISA_LEVEL == 1
+    if (D % 8 == 0) { /* the same, 8 lanes a vector */
+        for (; t + 8 <= len; t += 8) {
             for (int g = 0; g < G; ++g) {
                 const float *qg = q + g * D;
                 __m256 a[8];
@@ -83,7 +157,7 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
                 for (int d = 0; d < D; d += 8) {
                     const __m256 qv = _mm256_loadu_ps(qg + d);
                     for (int i = 0; i < 8; ++i)
-                        a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), a[i]);
+                        a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_cache + offs[t + i] + d), a[i]);
                 }
                 const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
                 const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
@@ -98,8 +172,7 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
     }
 #endif
     for (; t < len; ++t) { /* scores, over K (the keys left) */
-        const float *k = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size)
-                                       * token_stride;
+        const float *k = k_cache + offs[t];
         for (int g = 0; g < G; ++g) {
             const float *qg = q + g * D;
             float s = 0.0f;
@@ -110,7 +183,7 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
             if (s > mx[g]) mx[g] = s;
         }
     }
-    for (int g = 0; g < G; ++g) { /* softmax numerators and their sums */
+    for (int g = 0; g < G; ++g) { /* softmax numerators and their sums, then the V sums */
         float *sg = scores + (int64_t)g * len, sum = 0.0f;
         const float m = mx[g];
 #pragma omp simd reduction(+ : sum)
@@ -119,21 +192,23 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
             sg[t] = e;
             sum += e;
         }
-        inv[g] = 1.0f / sum;
-        memset(o + g * D, 0, sizeof(float) * D);
-    }
-    for (int t = 0; t < len; ++t) { /* weighted sum, over V */
-        const float *v = v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size)
-                                       * token_stride;
-        for (int g = 0; g < G; ++g) {
-            const float p = scores[(int64_t)g * len + t];
-            float *og = o + g * D;
+        float *og = o + g * D;
+#if ISA_LEVEL > 0
+        if (D % 64 == 0) {
+            weigh_values_64(sg, v_cache, offs, len, D, 1.0f / sum, og);
+            continue;
+        }
+#endif
+        {
+            memset(og, 0, sizeof(float) * D);
+            for (int t = 0; t < len; ++t) {
+                const float *v = v_cache + offs[t], pt = sg[t];
 #pragma omp simd
-            for (int d = 0; d < D; ++d) og[d] += p * v[d];
+                for (int d = 0; d < D; ++d) og[d] += pt * v[d];
+            }
+            for (int d = 0; d < D; ++d) og[d] *= 1.0f / sum;
         }
     }
-    for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) o[g * D + d] *= inv[g];
 }
 
 /* 1 when every index the step reads or writes is inside its array: positions in the RoPE
@@ -183,7 +258,9 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     (void)num_threads;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)max_len * G);
+        /* per thread: an item's scores [G, len], then its keys' offsets [len] */
+        float *scores = (float *)malloc((sizeof(float) * G + sizeof(int64_t)) * (size_t)max_len + 8);
+        int64_t *offs = (int64_t *)(scores + (size_t)max_len * G + (max_len * G) % 2);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -213,13 +290,17 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
                     memcpy(v_cache + slot, row + q_size + kv_size + kh * D, sizeof(float) * D);
                 }
             }
+            /* (token, KV head) items share each key across the GQA group; with too few of them
+             * to keep the threads even, (token, query head) items read each key once per head */
+            const int per_head = T * KVH < 4 * omp_threads();
+            const int heads = per_head ? H : KVH, group = per_head ? 1 : G;
 #pragma omp for schedule(dynamic, 1)
-            for (int item = 0; item < T * KVH; ++item) {
-                const int r = item / KVH, kh = item % KVH;
+            for (int item = 0; item < T * heads; ++item) {
+                const int r = item / heads, hq = (item % heads) * group, kh = hq / G;
                 const int32_t *table = tables + (int64_t)seq_idx[r] * table_stride;
-                attend(qkv + (int64_t)r * qkv_size + kh * G * D, k_cache + kh * D,
-                       v_cache + kh * D, table, ctx_len[r], block_size, kv_size, D, G, scale,
-                       scores, att + (int64_t)r * q_size + kh * G * D);
+                attend(qkv + (int64_t)r * qkv_size + hq * D, k_cache + kh * D, v_cache + kh * D,
+                       table, ctx_len[r], block_size, kv_size, D, group, scale, scores, offs,
+                       att + (int64_t)r * q_size + hq * D);
             }
             gemv_tiles(kind[1], 1, w_o, hidden, q_size, att, q_size, T, x, hidden);
 #pragma omp for schedule(static)

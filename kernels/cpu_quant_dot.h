@@ -131,17 +131,21 @@ static inline __attribute__((always_inline)) void dot_row(
  * each feature's R sums straight to y hits rows that are a multiple of 4 KiB apart (49152 fp32
  * logits), and the stores alias (8 rows of the LM head took 3x as long). */
 #define TILE 64
+/* Up to SMALL_OUT features, tiles of half that: a 576-feature projection is 18 tiles, not 9, so
+ * two threads share it evenly. A feature's sums are the same whatever its tile. */
+#define SMALL_OUT 2048
 
 static inline __attribute__((always_inline)) void gemv_tiles_kind(
     const int Q8, const int ADD, const uint8_t *w, int64_t out_features, int64_t in_features,
     const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride) {
     const int nb = (int)(in_features / QK);
     const int64_t row_bytes = (int64_t)nb * (Q8 ? Q8_0_BYTES : Q4_1_BYTES);
-    const int64_t num_tiles = (out_features + TILE - 1) / TILE;
+    const int64_t tile_size = out_features <= SMALL_OUT ? TILE / 2 : TILE;
+    const int64_t num_tiles = (out_features + tile_size - 1) / tile_size;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < num_tiles; ++t) {
-        const int64_t o0 = t * TILE;
-        const int n = out_features - o0 < TILE ? (int)(out_features - o0) : TILE;
+        const int64_t o0 = t * tile_size;
+        const int n = out_features - o0 < tile_size ? (int)(out_features - o0) : (int)tile_size;
         float tile[MAX_ROWS][TILE];
         for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
             const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;

@@ -2,10 +2,11 @@
 instruction-set level, on a small random Llama over GGUF blocks (both kinds, GQA).
 
 Both paths run the same block GEMV for every linear; they differ in the order of the fp32 sums
-of the norms, RoPE, softmax and attention. Tolerance: |fused - torch| <= 1e-5 * (1 + the row's
+of the norms, RoPE, softmax and attention. Tolerance: |fused - torch| <= 2e-4 * (1 + the row's
 largest |torch|), elementwise, on the last layer's residual stream and on every K/V written (an
-fp32 sum's rounding scales with its terms, of the row's order); a wrong head, slot, position or
-causal bound is O(1).
+fp32 sum's rounding scales with its terms, of the row's order). Measured: ~1e-6 in most rows, up
+to 6e-5 in a row whose attention over the random keys is sharply peaked, with the plain loops as
+with the vector ones; a wrong head, slot, position or causal bound is O(1).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from tests.kernels.test_cpu_quant_gemv import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler")
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 96, 2
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 64, 4, 2, 96, 2
+HEAD_DIMS = (16, 64)  # the plain loops, and the vector paths' 64-dim V sums
 VOCAB, MAX_POS, BLOCK, NUM_BLOCKS = 50, 128, 4, 512
 HERE = qg.cpu_flags()
 # each layer's linears: (q, k, v) and (gate, up) share a kind, so they fuse; both kinds appear
@@ -34,10 +36,10 @@ KINDS = [
 ]
 
 
-def small_model(fused_decode: bool = True) -> LlamaForCausalLM:
+def small_model(head_dim: int = 64, fused_decode: bool = True) -> LlamaForCausalLM:
     config = ModelConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM, intermediate_size=FFN, vocab_size=VOCAB, rope_theta=10000.0,
+        head_dim=head_dim, intermediate_size=FFN, vocab_size=VOCAB, rope_theta=10000.0,
         rms_norm_eps=1e-5, max_position_embeddings=MAX_POS, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
@@ -47,7 +49,7 @@ def small_model(fused_decode: bool = True) -> LlamaForCausalLM:
         "model.norm.weight": 1 + 0.1 * torch.randn(HIDDEN, generator=g),
         "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g) * 0.2,
     }
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    q, kv = HEADS * head_dim, KV_HEADS * head_dim
     shapes = {
         "self_attn.q_proj": ("qkv", q, HIDDEN), "self_attn.k_proj": ("qkv", kv, HIDDEN),
         "self_attn.v_proj": ("qkv", kv, HIDDEN), "self_attn.o_proj": ("o", HIDDEN, q),
@@ -74,15 +76,15 @@ def small_model(fused_decode: bool = True) -> LlamaForCausalLM:
     )
 
 
-@pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    return small_model()
+@pytest.fixture(scope="module", params=HEAD_DIMS, ids=lambda d: f"head_dim {d}")
+def model(request) -> LlamaForCausalLM:
+    return small_model(request.param)
 
 
-def random_caches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def random_caches(seed: int, head_dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every layer's K and V pool filled with random values: the keys before a step's tokens."""
     g = torch.Generator().manual_seed(seed)
-    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, head_dim)
     return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(LAYERS)]
 
 
@@ -124,14 +126,15 @@ def step(
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.isfinite(got).all()
     scale = want.abs().amax(dim=-1, keepdim=True)  # each row's terms are of its largest's order
-    bound = 1e-5 * (1 + scale)
+    bound = 2e-4 * (1 + scale)
     worst = float(((got - want).abs() - bound).max())
     assert worst <= 0, f"worst error {worst:.3g} over the bound"
 
 
 def run_both(model: LlamaForCausalLM, queries: list[tuple[int, int]], lib=None):
     ids, positions, attn = step(queries)
-    fused_caches, torch_caches = random_caches(1), random_caches(1)
+    d = model.config.head_dim
+    fused_caches, torch_caches = random_caches(1, d), random_caches(1, d)
     fused = model.fused
     assert fused is not None
     if lib is None:
@@ -173,7 +176,7 @@ def test_the_fused_forward_is_the_torch_paths_up_to_summation_order(model, case)
     slots = attn.slot_mapping
     for (kf, vf), (kt, vt) in zip(fused_caches, torch_caches, strict=True):
         for f, t in ((kf, kt), (vf, vt)):
-            flat_f, flat_t = f.view(-1, KV_HEADS, HEAD_DIM), t.view(-1, KV_HEADS, HEAD_DIM)
+            flat_f, flat_t = f.view(-1, KV_HEADS, f.shape[-1]), t.view(-1, KV_HEADS, f.shape[-1])
             assert_close(flat_f[slots], flat_t[slots])  # this step's K (after RoPE) and V
             keep = torch.ones(flat_f.shape[0], dtype=torch.bool)
             keep[slots] = False
@@ -185,9 +188,9 @@ def test_the_model_takes_it_only_for_steps_of_at_most_max_rows(model, monkeypatc
     monkeypatch.setattr(model.fused, "forward", lambda *a, **k: calls.append(a[0].shape[0]))
     for n in (1, cpu_decode.MAX_ROWS):
         ids, positions, attn = step([(0, n)])
-        model(ids, positions, random_caches(0), attn)
+        model(ids, positions, random_caches(0, model.config.head_dim), attn)
     ids, positions, attn = step([(0, cpu_decode.MAX_ROWS + 1)])
-    out = model(ids, positions, random_caches(0), attn)  # the torch path
+    out = model(ids, positions, random_caches(0, model.config.head_dim), attn)  # the torch path
     assert calls == [1, cpu_decode.MAX_ROWS]
     assert out.shape == (cpu_decode.MAX_ROWS + 1, HIDDEN)
 
@@ -199,7 +202,7 @@ def test_it_is_off_when_asked():
 
 def test_an_index_out_of_range_is_refused_before_anything_is_written(model):
     ids, positions, attn = step([(6, 2)])
-    caches = random_caches(2)
+    caches = random_caches(2, model.config.head_dim)
     before = [(k.clone(), v.clone()) for k, v in caches]
     attn.slot_mapping[1] = NUM_BLOCKS * BLOCK  # one past the pool
     with pytest.raises(IndexError, match="out of range"):
