@@ -11,19 +11,24 @@ Beside them, the floor under single-stream decode: a decode step at batch 1 read
 once (the GGUF's tensor data: the linears and the tied LM head), so no engine reading those
 bytes from memory decodes faster than the machine's read bandwidth over them. The bench measures
 that bandwidth (a sum over a buffer far larger than the caches, on the same threads) and says
-whether the single-stream target sits above the ceiling.
+whether the single-stream target sits above the ceiling. And the ceiling over prefill in fp32:
+a prompt token costs 2 flops a weight of the layers' projections, so no fp32 engine prefills
+faster than the CPU's FMA peak (fma_peak.c: independent FMAs on registers, every thread) over
+them; the bench says whether the prefill target sits above it.
 Writes peer.md and peer.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import random
 import statistics
 import time
 from pathlib import Path
 
+from kernels import cbuild, cpu_quant_gemv
 from tools.bench import llama_cpp
 from tools.bench.files import write_results
 
@@ -80,6 +85,70 @@ def floor_row(weights: int, bandwidth: float, llama: dict[str, float] | None) ->
     return {
         "weight_mib": round(weights / 2**20, 1),
         "bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "ceiling_tok_s": round(ceiling, 1),
+        "target_tok_s": None if target is None else round(target, 1),
+        "target_above_ceiling": None if target is None else target > ceiling,
+    }
+
+
+FMA_SOURCE = Path(__file__).with_name("fma_peak.c")
+
+
+def _bind_fma(lib: ctypes.CDLL) -> None:
+    lib.fma_flops.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p]
+    lib.fma_flops.restype = ctypes.c_double
+
+
+_FMA = cbuild.CKernel(
+    title="the FMA peak probe",
+    source=FMA_SOURCE,
+    levels=cpu_quant_gemv.LEVELS,
+    flag_sets=cpu_quant_gemv.FLAG_SETS,
+    bind=_bind_fma,
+    fallback="the prefill ceiling is not measured",
+    options=cpu_quant_gemv.GemvOptions(),
+)
+
+
+def fma_peak(threads: int, seconds: float = 0.2, repetitions: int = 5) -> float | None:
+    """fp32 flops a second the CPU's FMA units issue on `threads` threads, at the widest vectors
+    it has (fma_peak.c): the best of `repetitions` runs of about `seconds`; None without a C
+    compiler."""
+    lib = _FMA.load()
+    if lib is None:
+        return None
+    sink = (ctypes.c_float * 1)()
+    iters = 1 << 16
+    while True:  # grow the run until it takes `seconds`
+        t0 = time.perf_counter()
+        flops = lib.fma_flops(iters, threads, sink)
+        took = time.perf_counter() - t0
+        if took >= seconds / 4:
+            break
+        iters *= 4
+    iters = int(iters * seconds / took)
+    best = 0.0
+    for _ in range(repetitions):
+        t0 = time.perf_counter()
+        flops = lib.fma_flops(iters, threads, sink)
+        best = max(best, flops / (time.perf_counter() - t0))
+    return best
+
+
+def prefill_ceiling_row(config, flops_s: float, llama: dict[str, float] | None) -> dict:
+    """The fp32 prefill ceiling: the layers' projections alone at the FMA units' peak `flops_s`
+    (fma_peak), against the prefill target (5x llama.cpp's pp512). Attention, dequantizing the
+    weights and the rest only lower it."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+    per_layer += 3 * c.hidden_size * c.intermediate_size
+    flops_per_token = 2 * per_layer * c.num_layers
+    ceiling = flops_s / flops_per_token
+    target = None if llama is None or not llama.get("pp512") else 5.0 * llama["pp512"]
+    return {
+        "gflop_per_token": round(flops_per_token / 1e9, 4),
+        "fma_peak_gflop_s": round(flops_s / 1e9, 1),
         "ceiling_tok_s": round(ceiling, 1),
         "target_tok_s": None if target is None else round(target, 1),
         "target_above_ceiling": None if target is None else target > ceiling,
@@ -277,6 +346,21 @@ def markdown(res: dict) -> str:
                 f" The target (1.3x llama.cpp's tg128) is {floor['target_tok_s']:,.1f} tok/s: "
                 f"{where} that ceiling."
             )
+    pre = res.get("prefill_ceiling")
+    if pre:
+        lines += [
+            "",
+            f"Prefill ceiling in fp32: a token's projections are {pre['gflop_per_token']} GFLOP; "
+            f"this CPU's FMA units issue at most {pre['fma_peak_gflop_s']:,} fp32 GFLOP/s on "
+            f"{threads} thread{'s' if threads != 1 else ''}, so no fp32 engine prefills faster "
+            f"than {pre['ceiling_tok_s']:,.1f} tok/s.",
+        ]
+        if pre["target_tok_s"] is not None:
+            where = "above" if pre["target_above_ceiling"] else "below"
+            lines[-1] += (
+                f" The target (5x llama.cpp's pp512, whose int8 dot products do 4x the work per "
+                f"instruction) is {pre['target_tok_s']:,.1f} tok/s: {where} that ceiling."
+            )
     if load[0] > threads:
         busy = "The machine was busy (load average above the threads): a smoke run, not figures"
         lines += ["", f"{busy} to quote."]
@@ -329,11 +413,16 @@ def run(args: argparse.Namespace) -> int:
     res["quantization"] = getattr(engine.model, "quantization", None)
     if any(isinstance(m, GGUFLinear) for m in engine.model.modules()):
         res["quantization"] = "GGUF blocks: GEMV up to 32 rows, GEMM above"
+        if getattr(engine.model, "fused", None) is not None:
+            res["quantization"] += "; steps up to 32 tokens fused"
     print("Brigade: prefill, single-stream and batched decode ...", flush=True)
     brigade = measure_brigade(engine, streams, reps)
     res["brigade"] = {k: round(v, 1) for k, v in brigade.items()}
     res["llama_cpp"] = None if llama is None else {k: round(v, 1) for k, v in llama.items()}
     res["rows"] = ratio_rows(brigade, llama)
     res["floor"] = floor_row(weight_bytes(gguf), read_bandwidth(args.threads), llama)
+    peak = fma_peak(args.threads)
+    if peak is not None:
+        res["prefill_ceiling"] = prefill_ceiling_row(engine.model_config, peak, llama)
     write_results(args.out, "peer", res, markdown(res))
     return 0

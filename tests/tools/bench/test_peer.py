@@ -272,3 +272,28 @@ def test_the_single_stream_floor_is_the_weights_over_the_read_bandwidth():
          "rows": [], "llama_cpp_skipped": None, "llama_cpp_build_flags": [], "floor": row}
     )  # fmt: skip
     assert f"than {row['ceiling_tok_s']:,.1f} tok/s" in text and "1.3x llama.cpp" in text
+
+
+def test_the_prefill_ceiling_is_the_projections_flops_over_the_fma_peak():
+    from engine.config import ModelConfig
+    from engine.weights import read_gguf_header, resolve_model
+
+    header = read_gguf_header(resolve_model("smollm2-135m"))
+    config = ModelConfig.from_gguf_metadata(header.metadata, has_output_weight=False)
+    one, two = peer.fma_peak(threads=1, seconds=0.05), peer.fma_peak(threads=2, seconds=0.05)
+    assert 1e9 < one < 1e12  # flops a second: 1 to 1,000 GFLOP/s a core
+    assert two > 1.2 * one  # the units of two cores (the machine has at least two)
+    row = peer.prefill_ceiling_row(config, flops_s=100e9, llama={"pp512": 400.0})
+    # SmolLM2-135M: 30 layers of 576 x (576 + 2 * 192) + 576 x 576 + 3 x 576 x 1536 weights
+    per_token = 2 * 30 * (576 * 960 + 576 * 576 + 3 * 576 * 1536)
+    assert row["gflop_per_token"] == round(per_token / 1e9, 4)
+    assert row["ceiling_tok_s"] == round(100e9 / per_token, 1)
+    assert row["target_tok_s"] == 2000.0 and row["target_above_ceiling"] is True
+    assert peer.prefill_ceiling_row(config, 100e9, None)["target_above_ceiling"] is None
+    text = peer.markdown(
+        {"threads": 2, "load_average_at_start": [0.1, 0.1, 0.1], "quick": True, "gguf": "m.gguf",
+         "rows": [], "llama_cpp_skipped": None, "llama_cpp_build_flags": [],
+         "prefill_ceiling": row}
+    )  # fmt: skip
+    assert f"no fp32 engine prefills faster than {row['ceiling_tok_s']:,.1f} tok/s" in text
+    assert "2,000.0 tok/s: above that ceiling" in text
