@@ -403,7 +403,8 @@ CPU_KERNEL = declare(Setting[bool](
 ))  # fmt: skip
 CC = declare(Setting[str | None](
     name="CC", kind="str", default=None, default_text="cc, else gcc",
-    help="C compiler that builds the CPU kernels (attention, quantized GEMV and GEMM)",
+    help="C compiler that builds the CPU kernels (attention, quantized GEMV and GEMM, the fused "
+    "decode forward)",
     readers=("engine", "bench"),
 ))  # fmt: skip
 GOMP_SPINCOUNT = declare(Setting[int](

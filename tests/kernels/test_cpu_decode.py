@@ -85,7 +85,9 @@ def random_caches(seed: int, head_dim: int) -> list[tuple[torch.Tensor, torch.Te
     """Every layer's K and V pool filled with random values: the keys before a step's tokens."""
     g = torch.Generator().manual_seed(seed)
     shape = (NUM_BLOCKS, BLOCK, KV_HEADS, head_dim)
-    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(LAYERS)]
+    return [
+        (torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(LAYERS)
+    ]
 
 
 def step(
