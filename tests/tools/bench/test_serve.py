@@ -116,5 +116,25 @@ def test_targets_compare_sides_at_each_level():
     assert table.endswith("llama-server not measured: none")
 
 
+def test_the_cpu_ceiling_is_the_engines_cpu_per_token_over_the_pipelines():
+    engine, pipeline = side(600, 100, 10, 12), side(330, 150, 20, 30)
+    engine["cpu_ms_per_token_total"], pipeline["cpu_ms_per_token_total"] = 3.2, 5.76
+    t = serve.targets({"engine": {8: engine}, "pipeline": {8: pipeline}}, [8])["8"]
+    assert t["cpu_ceiling_of_engine"] == pytest.approx(3.2 / 5.76)  # 0.556
+    assert t["of_engine"] == pytest.approx(0.55)
+    assert t["cpu_ms_per_token_allowed_beyond_engine"] == pytest.approx(3.2 / 0.9 - 3.2)
+    table = serve.markdown(
+        {"model": "m", "max_tokens": 100, "requests_per_client": 1, "machine": "x",
+         "sides": {"engine": {8: engine}, "pipeline": {8: pipeline}}, "targets": {"8": t},
+         "notes": []}
+    )  # fmt: skip
+    assert "| 8 | 3.20 | 5.76 | 0.56 | 0.55 | 0.36 |" in table
+    engine["cpu_ms_per_token_total"] = None  # no CPU accounting: no ceiling
+    assert (
+        "cpu_ceiling_of_engine"
+        not in serve.targets({"engine": {8: engine}, "pipeline": {8: pipeline}}, [8])["8"]
+    )
+
+
 def test_no_llama_server_says_why(tmp_path: Path):
     assert "no llama.cpp build under" in serve.llama_server_binary(tmp_path)
