@@ -30,7 +30,12 @@ PROMPTS = {
 def register(subparsers) -> None:
     p = subparsers.add_parser("spec", help="n-gram speculative decoding on vs off, one stream")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the engine's default, float32, unless given",
+    )
     p.add_argument("--out", default=".brigade/bench", help="directory for spec.md/.json")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
