@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import random
 import statistics
 import time
 from pathlib import Path
 
-from kernels import cbuild, cpu_quant_gemv
 from tools.bench import llama_cpp
 from tools.bench.files import write_results
 
@@ -99,22 +99,28 @@ def _bind_fma(lib: ctypes.CDLL) -> None:
     lib.fma_flops.restype = ctypes.c_double
 
 
-_FMA = cbuild.CKernel(
-    title="the FMA peak probe",
-    source=FMA_SOURCE,
-    levels=cpu_quant_gemv.LEVELS,
-    flag_sets=cpu_quant_gemv.FLAG_SETS,
-    bind=_bind_fma,
-    fallback="the prefill ceiling is not measured",
-    options=cpu_quant_gemv.GemvOptions(),
-)
+@functools.cache
+def _fma_probe():
+    """The probe's build, at the GEMV's instruction-set levels (kernels import torch, so only
+    when the bench runs: `brigade --help` stays light)."""
+    from kernels import cbuild, cpu_quant_gemv
+
+    return cbuild.CKernel(
+        title="the FMA peak probe",
+        source=FMA_SOURCE,
+        levels=cpu_quant_gemv.LEVELS,
+        flag_sets=cpu_quant_gemv.FLAG_SETS,
+        bind=_bind_fma,
+        fallback="the prefill ceiling is not measured",
+        options=cpu_quant_gemv.GemvOptions(),
+    )
 
 
 def fma_peak(threads: int, seconds: float = 0.2, repetitions: int = 5) -> float | None:
     """fp32 flops a second the CPU's FMA units issue on `threads` threads, at the widest vectors
     it has (fma_peak.c): the best of `repetitions` runs of about `seconds`; None without a C
     compiler."""
-    lib = _FMA.load()
+    lib = _fma_probe().load()
     if lib is None:
         return None
     sink = (ctypes.c_float * 1)()
