@@ -108,6 +108,20 @@ static void weigh_values_64(const float *p, const float *v_cache, const int64_t 
 }
 #endif
 
+#if ISA_LEVEL > 0
+/* Eight keys' lane-wise products a[0..7] -> their 8 dot products, times scale, stored to out;
+ * the running max of the group's scores updated. One transposing sum (hadd tree). */
+static inline void store_scores8(const __m256 a[8], float scale, float *out, float *mx) {
+    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 h0 = _mm256_hadd_ps(h01, h23), h1 = _mm256_hadd_ps(h45, h67);
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                                      _mm256_permute2f128_ps(h0, h1, 0x31));
+    _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+    for (int i = 0; i < 8; ++i) *mx = out[i] > *mx ? out[i] : *mx;
+}
+#endif
+
 /* One token's G query heads (q, G * D) against the keys of its sequence up to `len`, into o.
  * `offs` [len]: scratch for each key's offset in the cache; `scores` [G, len]. */
 static void attend(const float *q, const float *k_cache, const float *v_cache,
@@ -131,19 +145,12 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
                     for (int i = 0; i < 8; ++i)
                         a[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k_cache + offs[t + i] + d), a[i]);
                 }
-                __m256 h[8];
+                __m256 h[8]; /* each key's 16 lanes folded to 8 */
                 for (int i = 0; i < 8; ++i)
                     h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(
                                              _mm512_castps_pd(a[i]), 1)));
-                const __m256 h01 = _mm256_hadd_ps(h[0], h[1]), h23 = _mm256_hadd_ps(h[2], h[3]);
-                const __m256 h45 = _mm256_hadd_ps(h[4], h[5]), h67 = _mm256_hadd_ps(h[6], h[7]);
-                const __m256 h0 = _mm256_hadd_ps(h01, h23), h1 = _mm256_hadd_ps(h45, h67);
-                const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
-                                                  _mm256_permute2f128_ps(h0, h1, 0x31));
-                float *out = scores + (int64_t)g * len + t;
-                _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
-                for (int i = 0; i < 8; ++i) mx[g] = out[i] > mx[g] ? out[i] : mx[g];
+                store_scores8(h, scale, scores + (int64_t)g * len + t, &mx[g]);
             }
         }
     }
@@ -159,14 +166,7 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
                     for (int i = 0; i < 8; ++i)
                         a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_cache + offs[t + i] + d), a[i]);
                 }
-                const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-                const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-                const __m256 h0 = _mm256_hadd_ps(h01, h23), h1 = _mm256_hadd_ps(h45, h67);
-                const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
-                                                  _mm256_permute2f128_ps(h0, h1, 0x31));
-                float *out = scores + (int64_t)g * len + t;
-                _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
-                for (int i = 0; i < 8; ++i) mx[g] = out[i] > mx[g] ? out[i] : mx[g];
+                store_scores8(a, scale, scores + (int64_t)g * len + t, &mx[g]);
             }
         }
     }
