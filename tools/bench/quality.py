@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -143,7 +142,11 @@ def register(subparsers) -> None:
     p.add_argument(
         "--llama-cpp-dir",
         default=None,
-        help='a built llama.cpp checkout (e.g. "$LLAMA_CPP_DIR"): adds its greedy answers',
+        help="a llama.cpp build with llama-server, for its greedy answers (default: "
+        "$LLAMA_CPP_DIR or the build `brigade bench peer` cached)",
+    )
+    p.add_argument(
+        "--no-llama-cpp", action="store_true", help="skip llama.cpp's answers (and its start-up)"
     )
     p.set_defaults(func=run)
 
@@ -223,34 +226,34 @@ def meets_targets(tf: dict | None) -> bool | None:
 
 
 def llama_cpp_answers(
-    llama_dir: Path, gguf: Path, prompts: list[str], tokenizer, max_tokens: int
-) -> list[str]:
-    """Greedy answers of llama.cpp's `llama-simple` to the rendered chat prompts."""
-    exe = next(
-        (
-            p
-            for p in (llama_dir / "build" / "bin" / "llama-simple", llama_dir / "llama-simple")
-            if p.exists()
-        ),
-        None,
-    )
-    if exe is None:
-        raise FileNotFoundError(f"no llama-simple under {llama_dir} (build/bin or top level)")
+    llama_cpp_dir: Path | None, gguf: Path, prompt_ids: list[list[int]], max_tokens: int
+) -> list[list[int]] | str:
+    """llama.cpp's greedy answers, as token ids, to the same rendered chat prompts: its
+    llama-server (from `llama_cpp_dir`, else the build `brigade bench peer` caches) asked for each
+    prompt's token ids with temperature 0 (greedy) and no prompt cache, stopping where the model
+    ends its turn or at `max_tokens`. A string: why there is none."""
+    import urllib.request
+
+    import torch
+
+    from tools.bench.serve import LlamaServer, llama_server_binary
+
+    binary = llama_server_binary(llama_cpp_dir)
+    if isinstance(binary, str):
+        return binary
+    longest = max(len(ids) for ids in prompt_ids) + max_tokens
     answers = []
-    for prompt in prompts:
-        text = tokenizer.decode(
-            tokenizer.encode_chat([{"role": "user", "content": prompt}]), skip_special_tokens=False
-        )
-        done = subprocess.run(
-            [str(exe), "-m", str(gguf), "-n", str(max_tokens), text],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"llama-simple exited {done.returncode}: {done.stderr[-300:]}")
-        out = done.stdout
-        answers.append(out[len(text) :] if out.startswith(text) else out)
+    with LlamaServer(binary, gguf, 1, torch.get_num_threads(), longest + 64) as server:
+        for ids in prompt_ids:
+            body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0,
+                    "cache_prompt": False, "return_tokens": True}  # fmt: skip
+            request = urllib.request.Request(
+                server.url + "/completion",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=300) as response:
+                answers.append(list(json.loads(response.read())["tokens"]))
     return answers
 
 
@@ -261,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.loader import load_model, read_gguf, read_hf_dir
     from engine.tokenizer import load_tokenizer
     from engine.weights import model_format, resolve_model
+    from schemas import settings
     from tools.bench.files import write_results
     from tools.bench.quality_forced import Reference, split_segments
     from tools.bench.quality_reference import ReferenceLlama
@@ -332,11 +336,18 @@ def run(args: argparse.Namespace) -> int:
         res["rows"].append(row)
     ref.close()
     res["llama_cpp"] = None
-    if args.llama_cpp_dir:
-        texts = llama_cpp_answers(Path(args.llama_cpp_dir), path, prompts, tokenizer, max_tokens)
-        ref_texts = [tokenizer.decode(a) for a in reference_answers]
-        same = sum(t.strip() == r.strip() for t, r in zip(texts, ref_texts, strict=True))
-        res["llama_cpp"] = {"identical_text": same, "answers": texts}
+    llama_dir = args.llama_cpp_dir or settings.LLAMA_CPP_DIR.get()
+    if model_format(path) == "gguf" and not args.no_llama_cpp:
+        print(f"llama.cpp: greedy answers to the {len(prompts)} chat prompts ...", flush=True)
+        found = llama_cpp_answers(Path(llama_dir) if llama_dir else None, path, prompt_ids,
+                                  max_tokens)  # fmt: skip
+        if isinstance(found, str):
+            res["llama_cpp_skipped"] = found
+        else:
+            res["llama_cpp"] = {
+                "chat": compare_answers(reference_answers, found),
+                "answers": [tokenizer.decode(a) for a in found],
+            }
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     write_results(args.out, "quality", res, markdown(res))
     return 0
@@ -388,11 +399,14 @@ def markdown(res: dict) -> str:
     lines += ["", f"fp32 reference perplexity: {ref_ppl:.3f}" if ref_ppl else ""]
     lc = res.get("llama_cpp")
     if lc is None:
-        lines.append("llama.cpp: skipped (pass --llama-cpp-dir with a built llama.cpp to compare)")
+        why = res.get("llama_cpp_skipped") or "not asked (--no-llama-cpp) or not a GGUF model"
+        lines.append(f"llama.cpp: skipped: {why}")
     else:
+        chat, med = lc["chat"], lc["chat"]["median_first_divergence"]
         lines.append(
-            f"llama.cpp greedy answers with the same text as fp32: {lc['identical_text']}/"
-            f"{res['prompts']}"
+            f"llama.cpp's greedy answers (llama-server, the same GGUF and prompt tokens) "
+            f"identical to the fp32 reference's: {chat['identical']}/{chat['num_prompts']}; "
+            f"median first divergence {'—' if med is None else med}"
         )
     lines.append("")
     return "\n".join(lines)

@@ -126,6 +126,16 @@ def test_table_has_a_row_per_config_and_says_which_meet_the_targets():
     assert "| bfloat16 int8 | 0.00690 | 94.30 % |" in table
     assert "| 60/64 | 7 | no |" in table
     assert "llama.cpp: skipped" in table
+    answers = {"chat": {**chat, "identical": 50, "median_first_divergence": 4}, "answers": []}
+    table = markdown({**res, "llama_cpp": answers})
+    assert "identical to the fp32 reference's: 50/64; median first divergence 4" in table
+
+
+def test_llama_cpp_answers_say_why_without_a_llama_server(tmp_path):
+    from tools.bench.quality import llama_cpp_answers
+
+    why = llama_cpp_answers(tmp_path, tmp_path / "m.gguf", [[1, 2]], 4)
+    assert isinstance(why, str) and "no llama.cpp build under" in why
 
 
 def test_the_shipped_set_is_big_enough():
