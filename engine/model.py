@@ -194,7 +194,8 @@ class LlamaForCausalLM(nn.Module):
         """The last layer's residual stream [T, hidden]; compute_logits applies the final norm."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.config.num_layers} layers")
-        if self.fused is not None and input_ids.shape[0] <= cpu_decode.MAX_ROWS:
+        fused = self.fused is not None and input_ids.device.type == "cpu"
+        if fused and input_ids.shape[0] <= cpu_decode.MAX_ROWS:
             seq_idx, ctx_len = token_layout(attn.query_lens_cpu, attn.seq_lens_cpu, self.device)
             return self.fused.forward(
                 F.embedding(input_ids, self.embed_tokens),  # [T, hidden], updated in place

@@ -145,10 +145,16 @@ class DecodeForward:
             if len(kv_caches) != len(self.layers):
                 raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
             rows = []
+            s = self.shape
+            shape = (*kv_caches[0][0].shape[:2], s.num_kv_heads, s.head_dim)  # [NB, BS, KVH, D]
             for ly, (k, v) in zip(self.layers, kv_caches, strict=True):
                 for c in (k, v):
                     if c.dtype != torch.float32 or not c.is_contiguous() or c.device.type != "cpu":
                         raise ValueError("the fused forward needs contiguous fp32 CPU KV caches")
+                    if tuple(c.shape) != shape:  # the kernel takes every layer's pool as one
+                        raise ValueError(
+                            f"KV caches of {tuple(c.shape)}: every one must be {shape}"
+                        )
                 lins = (ly.qkv, ly.o, ly.gate_up, ly.down)
                 rows.append([lin.blocks.data_ptr() for lin in lins] + [
                     ly.input_norm.data_ptr(), ly.post_norm.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -173,8 +179,19 @@ class DecodeForward:
         if lib is None:
             raise RuntimeError("the fused CPU decode forward is not available (see the log)")
         t, s = x.shape[0], self.shape
-        if not 1 <= t <= MAX_ROWS or x.dtype != torch.float32 or not x.is_contiguous():
+        if (
+            x.dim() != 2
+            or x.shape[1] != s.hidden
+            or not 1 <= t <= MAX_ROWS
+            or x.dtype != torch.float32
+            or not x.is_contiguous()
+        ):
             raise ValueError(f"x must be [1..{MAX_ROWS}, {s.hidden}] contiguous float32")
+        for name, table in (("cos", cos), ("sin", sin)):
+            if table.dtype != torch.float32 or table.dim() != 2 or table.shape[1] != s.head_dim:
+                raise ValueError(f"{name} must be [max_pos, {s.head_dim}] float32")
+            if not table.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
         index = (positions, slots, seq_idx, ctx_len)
         if any(i.shape != (t,) or not i.is_contiguous() for i in index):
             raise ValueError(f"positions, slots, seq_idx and ctx_len must be [{t}] contiguous")

@@ -36,9 +36,11 @@ KINDS = [
 ]
 
 
-def small_model(head_dim: int = 64, fused_decode: bool = True) -> LlamaForCausalLM:
+def small_model(
+    head_dim: int = 64, fused_decode: bool = True, kv_heads: int = KV_HEADS
+) -> LlamaForCausalLM:
     config = ModelConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=KV_HEADS,
+        num_layers=LAYERS, hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=kv_heads,
         head_dim=head_dim, intermediate_size=FFN, vocab_size=VOCAB, rope_theta=10000.0,
         rms_norm_eps=1e-5, max_position_embeddings=MAX_POS, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2,
@@ -49,7 +51,7 @@ def small_model(head_dim: int = 64, fused_decode: bool = True) -> LlamaForCausal
         "model.norm.weight": 1 + 0.1 * torch.randn(HIDDEN, generator=g),
         "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g) * 0.2,
     }
-    q, kv = HEADS * head_dim, KV_HEADS * head_dim
+    q, kv = HEADS * head_dim, kv_heads * head_dim
     shapes = {
         "self_attn.q_proj": ("qkv", q, HIDDEN), "self_attn.k_proj": ("qkv", kv, HIDDEN),
         "self_attn.v_proj": ("qkv", kv, HIDDEN), "self_attn.o_proj": ("o", HIDDEN, q),
@@ -81,10 +83,12 @@ def model(request) -> LlamaForCausalLM:
     return small_model(request.param)
 
 
-def random_caches(seed: int, head_dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def random_caches(
+    seed: int, head_dim: int, kv_heads: int = KV_HEADS
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every layer's K and V pool filled with random values: the keys before a step's tokens."""
     g = torch.Generator().manual_seed(seed)
-    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, head_dim)
+    shape = (NUM_BLOCKS, BLOCK, kv_heads, head_dim)
     return [
         (torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(LAYERS)
     ]
@@ -135,8 +139,8 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def run_both(model: LlamaForCausalLM, queries: list[tuple[int, int]], lib=None):
     ids, positions, attn = step(queries)
-    d = model.config.head_dim
-    fused_caches, torch_caches = random_caches(1, d), random_caches(1, d)
+    d, kvh = model.config.head_dim, model.config.num_kv_heads
+    fused_caches, torch_caches = random_caches(1, d, kvh), random_caches(1, d, kvh)
     fused = model.fused
     assert fused is not None
     if lib is None:
@@ -170,7 +174,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_fused_forward_is_the_torch_paths_up_to_summation_order(model, case):
-    got, want, fused_caches, torch_caches, attn = run_both(model, CASES[case])
+    assert_matches_torch(model, CASES[case])
+
+
+def assert_matches_torch(model: LlamaForCausalLM, queries: list[tuple[int, int]]) -> None:
+    got, want, fused_caches, torch_caches, attn = run_both(model, queries)
     assert got.shape == want.shape == (sum(attn.query_lens_cpu), HIDDEN)
     assert_close(got, want)
     logits_got, logits_want = model.compute_logits(got), model.compute_logits(want)
@@ -178,7 +186,7 @@ def test_the_fused_forward_is_the_torch_paths_up_to_summation_order(model, case)
     slots = attn.slot_mapping
     for (kf, vf), (kt, vt) in zip(fused_caches, torch_caches, strict=True):
         for f, t in ((kf, kt), (vf, vt)):
-            flat_f, flat_t = f.view(-1, KV_HEADS, f.shape[-1]), t.view(-1, KV_HEADS, f.shape[-1])
+            flat_f, flat_t = f.view(-1, *f.shape[2:]), t.view(-1, *t.shape[2:])
             assert_close(flat_f[slots], flat_t[slots])  # this step's K (after RoPE) and V
             keep = torch.ones(flat_f.shape[0], dtype=torch.bool)
             keep[slots] = False
@@ -202,6 +210,43 @@ def test_it_is_off_when_asked():
     assert small_model().fused is not None
 
 
+def test_one_kv_head_a_query_head_matches_too():
+    model = small_model(64, kv_heads=HEADS)  # G = 1: no GQA group
+    for case in ("decode rows of four contexts", "a prefill chunk beside decode rows"):
+        assert_matches_torch(model, CASES[case])
+
+
+def test_both_attention_splits_match(model):
+    """Fewer (token, KV head) items than 4 a thread split by query head, more by KV head: at 1
+    thread a 14-token step takes the KV-head split, at 8 the query-head one."""
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 8):
+            torch.set_num_threads(threads)
+            for case in ("a prefill chunk beside decode rows", "drafts to verify"):
+                assert_matches_torch(model, CASES[case])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_it_refuses_caches_and_inputs_of_another_shape(model):
+    d = model.config.head_dim
+    ids, positions, attn = step([(3, 1)])
+    caches = random_caches(0, d)
+    caches[1] = (caches[1][0][: NUM_BLOCKS // 2].contiguous(), caches[1][1])  # fewer blocks
+    with pytest.raises(ValueError, match="every one must be"):
+        model(ids, positions, caches, attn)
+    x = torch.zeros(1, HIDDEN // 2)
+    seq, ctx = torch.zeros(1, dtype=torch.int32), (positions + 1).to(torch.int32)
+    with pytest.raises(ValueError, match="x must be"):
+        model.fused.forward(x, model.rope_cos, model.rope_sin, positions, attn.slot_mapping,
+                            random_caches(0, d), attn.block_tables, seq, ctx)  # fmt: skip
+    x = torch.zeros(1, HIDDEN)
+    with pytest.raises(ValueError, match="cos must be"):
+        model.fused.forward(x, model.rope_cos[:, : d // 2], model.rope_sin, positions,
+                            attn.slot_mapping, random_caches(0, d), attn.block_tables, seq, ctx)  # fmt: skip
+
+
 def test_an_index_out_of_range_is_refused_before_anything_is_written(model):
     ids, positions, attn = step([(6, 2)])
     caches = random_caches(2, model.config.head_dim)
@@ -211,6 +256,13 @@ def test_an_index_out_of_range_is_refused_before_anything_is_written(model):
         model(ids, positions, caches, attn)
     attn.slot_mapping[1] = 0
     attn.block_tables[0, 0] = NUM_BLOCKS  # a block id past the pool, in the keys' span
+    with pytest.raises(IndexError, match="out of range"):
+        model(ids, positions, caches, attn)
+    attn.block_tables[0, 0] = -1  # a table's padding, inside the keys' span
+    with pytest.raises(IndexError, match="out of range"):
+        model(ids, positions, caches, attn)
+    ids, positions, attn = step([(6, 2)])
+    positions[1] = MAX_POS  # past the RoPE tables
     with pytest.raises(IndexError, match="out of range"):
         model(ids, positions, caches, attn)
     for (k, v), (k0, v0) in zip(caches, before, strict=True):
