@@ -43,7 +43,7 @@ from stages.edge.follow import answer_edge_pings, new_edge_worker
 from stages.edge.keys import Caller, KeyRing
 from stages.edge.logprobs import TokenEvents
 from stages.edge.metrics import EdgeMetrics
-from stages.edge.runwatch import RunWatch, Waiting
+from stages.edge.runwatch import RunWatch, Waiting, gap_timeout_for
 from stages.eventlog.runstate import RunStates
 from stages.runtime import heartbeat
 from stages.runtime.bus import MSG_ID_HEADER, Bus, publish_submit
@@ -307,6 +307,7 @@ class Edge:
             idle_timeout_s=self.config.idle_timeout_s,
             deadline_s=deadline_s,
             keepalive_s=self.config.keepalive_s,
+            gap_timeout_s=gap_timeout_for(self.bus.config.ack_wait_s),
             on_event=observe,
         )
 

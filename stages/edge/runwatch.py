@@ -7,6 +7,10 @@ consumer is unsubscribed when done, so nothing is left behind per request. While
 (an election, a server restart) it keeps waiting, within its idle timeout, and asks again.
 Until an engine takes the run (its first `tokens`), the wait is bounded by the run's deadline
 instead (`DeadlinePassed`), and `events()` says every `keepalive_s` of silence that it waits.
+After the terminal event, missing deltas are waited for `gap_timeout_s`: the edge sets it past
+the bus's redelivery time (`gap_timeout_for`), since a detokenizer killed holding a `tokens`
+event has it redelivered only after the ack wait, while its successor may already have ended
+the run from the `finished` that came next.
 """
 
 from __future__ import annotations
@@ -58,6 +62,15 @@ class Waiting:
     waited_s: float  # since the watch started
     deadline_s: float | None  # the run's wait for an engine, from the same start
     started: bool
+
+
+GAP_SLACK_S = 2.0  # past the redelivery: the restarted detokenizer's work and its publish
+
+
+def gap_timeout_for(ack_wait_s: float) -> float:
+    """How long after its terminal event a run's missing text may still come: a delivery to a
+    dead consumer is redelivered after `ack_wait_s`, then decoded and published."""
+    return ack_wait_s + GAP_SLACK_S
 
 
 class RunWatch:

@@ -9,6 +9,7 @@ import pytest
 
 from stages.edge.app import build_app
 from stages.edge.core import Edge, EdgeConfig
+from stages.runtime.bus import BusConfig
 from stages.tokenize import tokenizer_for
 from tests.stages.edge_harness import ACME_KEY, MODEL, keyring_for_tests
 
@@ -33,6 +34,7 @@ class _Raises:
 
 class _Bus:
     def __init__(self, exc: BaseException) -> None:
+        self.config = BusConfig(servers=("nats://127.0.0.1:1",))  # the edge reads its ack wait
         self.nc = _Raises(exc, is_connected=True)
         self.js = _Raises(exc)
         self.publish = _Raises(exc).publish

@@ -3,7 +3,7 @@ import pytest
 
 from schemas import subjects
 from schemas.events import RequestFailed, RunCompleted, TextGenerated, Usage, encode
-from stages.edge.runwatch import RunWatch
+from stages.edge.runwatch import GAP_SLACK_S, RunWatch, gap_timeout_for
 from stages.runtime.bus import Bus
 
 pytestmark = pytest.mark.anyio
@@ -62,6 +62,34 @@ async def test_a_delta_missed_live_is_filled_from_the_log(bus_config):
         assert [
             s.state.consumer_count for s in consumers if s.config.name == subjects.EVENTS_STREAM
         ] == [0]
+    finally:
+        await bus.close()
+
+
+async def test_a_delta_redelivered_after_the_end_still_reaches_the_client(bus_config):
+    """A detokenizer killed holding seq 1 has it redelivered after the ack wait, while its
+    successor ends the run from the `finished` that came next: the watch waits out the ack wait."""
+    bus = await Bus.connect(bus_config)
+    try:
+        await bus.ensure_streams()
+        gap = gap_timeout_for(0.8)  # an ack wait of 0.8 s: 2.8 s
+        assert gap == 0.8 + GAP_SLACK_S
+        async with RunWatch(bus.nc, bus.js, "redeliver1", gap_timeout_s=gap) as watch:
+            await bus.nc.flush()
+            await bus.publish(_text("redeliver1", 0))
+            await bus.publish(_done("redeliver1", 2))  # seq 1 and the flush, seq 2, still due
+            await bus.publish(_text("redeliver1", 2))
+            with anyio.fail_after(10):
+                got = []
+                async with anyio.create_task_group() as tg:
+
+                    async def late() -> None:
+                        await anyio.sleep(2.2)  # past the old 2 s bound, within the ack wait's
+                        await bus.publish(_text("redeliver1", 1))
+
+                    tg.start_soon(late)
+                    got = [d.seq async for d in watch.deltas()]
+            assert got == [0, 1, 2]
     finally:
         await bus.close()
 
