@@ -5,7 +5,8 @@ steps of more rows (batched decode, prefill chunks) the compiled block GEMM
 (kernels/cpu_quant_gemm.py): the same fp32 weights, rebuilt from 0.625 / 1.0625 bytes a weight
 instead of 4, fp32 sums, so the logits are the dense fp32 path's up to summation order. The GEMM
 beat the dense fp32 GEMM at every row count measured (9 to 512, docs/benchmarks.md); the dense
-weight serves only where the GEMM could not be built. Blocks are in GGUF's own layout, one row
+weight serves only where the GEMM could not be built, and is dropped where it was (it is 4 bytes
+a weight: ~540 MB of SmolLM2-135M's fp32 engine). Blocks are in GGUF's own layout, one row
 of blocks per output feature. In the batch-invariant mode every step runs the GEMV, its rows in
 groups of 8 (it sums a row the same way whatever shares the step), so a row's result never depends
 on the step's row count.
@@ -57,7 +58,8 @@ GEMV_MAX_ROWS = 32
 
 class GGUFLinear(nn.Module):
     """The block GEMV for steps of at most GEMV_MAX_ROWS fp32 rows, the block GEMM above
-    (`gemm`: it was built), `dense` otherwise; `invariant`: the GEMV at every row count."""
+    (`gemm`: it was built), `dense` otherwise; `invariant`: the GEMV at every row count. With
+    the GEMM, or in the invariant mode, no step needs `dense`, and it is not kept."""
 
     def __init__(
         self,
@@ -74,15 +76,18 @@ class GGUFLinear(nn.Module):
             )
         self.kind = blocks.kind
         self.register_buffer("blocks", blocks.data.contiguous())
-        self.dense = dense
         self.out_features = dense.out_features
         self.gemm = cpu_quant_gemm.available() if gemm is None else gemm
         self.invariant = invariant
+        self.dense: nn.Module | None = None if (self.gemm or invariant) else dense
 
     def forward(self, x: Tensor) -> Tensor:  # [n, in] -> [n, out]
         rows = x.shape[0]
-        many = rows > GEMV_MAX_ROWS and not (self.gemm or self.invariant)
-        if rows == 0 or x.dtype != torch.float32 or many:
+        if rows == 0:
+            return x.new_empty(0, self.out_features)
+        if x.dtype != torch.float32:  # the model is fp32; a caller's other dtype, in and out
+            return self.forward(x.float()).to(x.dtype)
+        if rows > GEMV_MAX_ROWS and self.dense is not None:  # no GEMM here
             return self.dense.forward(x)
         if x.stride(-1) != 1:
             x = x.contiguous()

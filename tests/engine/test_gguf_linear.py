@@ -49,6 +49,7 @@ def test_decode_rows_take_the_block_gemv_and_more_rows_the_block_gemm(gguf_model
     dense = DenseLinear(weights[key])
     linear = GGUFLinear(blocks[key], dense)
     assert linear.gemm and blocks[key].kind == kind
+    assert linear.dense is None  # every step has a kernel: the fp32 copy is not kept
     x = torch.randn(65, weights[key].shape[1])
     for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 65):
         got = linear(x[:rows])
@@ -56,8 +57,13 @@ def test_decode_rows_take_the_block_gemv_and_more_rows_the_block_gemm(gguf_model
         assert torch.equal(got, kernel(x[:rows], blocks[key].data, kind))
         torch.testing.assert_close(got, x[:rows] @ weights[key].t(), atol=1e-4, rtol=1e-5)
     no_gemm = GGUFLinear(blocks[key], dense, gemm=False)  # the GEMM could not be built
+    assert no_gemm.dense is dense
     assert torch.equal(no_gemm(x), dense(x))
     assert torch.equal(no_gemm(x[:1]), linear(x[:1]))
+    assert linear(x[:0]).shape == (0, weights[key].shape[0])
+    half = x[:3].to(torch.bfloat16)  # another dtype: computed in fp32, returned in its own
+    assert linear(half).dtype == torch.bfloat16
+    assert torch.equal(linear(half), linear(half.float()).to(torch.bfloat16))
 
 
 def test_the_invariant_linear_takes_the_block_gemv_at_every_row_count(gguf_model):
