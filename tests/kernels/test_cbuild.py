@@ -47,9 +47,10 @@ def test_a_local_header_is_part_of_the_build_key(tmp_path) -> None:
 
 
 def test_the_quantized_kernels_share_their_block_header() -> None:
-    from kernels import cbuild, cpu_decode, cpu_quant_gemm, cpu_quant_gemv
+    from kernels import cbuild, cpu_decode, cpu_fma_peak, cpu_quant_gemm, cpu_quant_gemv
 
     blocks, dot = "cpu_quant_blocks.h", "cpu_quant_dot.h"  # the GEMV's loops: dot
-    assert [h.name for h in cbuild.local_headers(cpu_quant_gemm.SOURCE)] == [blocks]
+    for module in (cpu_quant_gemm, cpu_fma_peak):  # the FMA probe: the GEMV's ISA levels
+        assert [h.name for h in cbuild.local_headers(module.SOURCE)] == [blocks]
     for module in (cpu_quant_gemv, cpu_decode):
         assert [h.name for h in cbuild.local_headers(module.SOURCE)] == [blocks, dot]

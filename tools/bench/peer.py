@@ -13,16 +13,14 @@ bytes from memory decodes faster than the machine's read bandwidth over them. Th
 that bandwidth (a sum over a buffer far larger than the caches, on the same threads) and says
 whether the single-stream target sits above the ceiling. And the ceiling over prefill in fp32:
 a prompt token costs 2 flops a weight of the layers' projections, so no fp32 engine prefills
-faster than the CPU's FMA peak (fma_peak.c: independent FMAs on registers, every thread) over
-them; the bench says whether the prefill target sits above it.
+faster than the CPU's FMA peak (kernels/cpu_fma_peak.py) over them; the bench says whether the
+prefill target sits above it.
 Writes peer.md and peer.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import functools
 import os
 import random
 import statistics
@@ -91,60 +89,10 @@ def floor_row(weights: int, bandwidth: float, llama: dict[str, float] | None) ->
     }
 
 
-FMA_SOURCE = Path(__file__).with_name("fma_peak.c")
-
-
-def _bind_fma(lib: ctypes.CDLL) -> None:
-    lib.fma_flops.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p]
-    lib.fma_flops.restype = ctypes.c_double
-
-
-@functools.cache
-def _fma_probe():
-    """The probe's build, at the GEMV's instruction-set levels (kernels import torch, so only
-    when the bench runs: `brigade --help` stays light)."""
-    from kernels import cbuild, cpu_quant_gemv
-
-    return cbuild.CKernel(
-        title="the FMA peak probe",
-        source=FMA_SOURCE,
-        levels=cpu_quant_gemv.LEVELS,
-        flag_sets=cpu_quant_gemv.FLAG_SETS,
-        bind=_bind_fma,
-        fallback="the prefill ceiling is not measured",
-        options=cpu_quant_gemv.GemvOptions(),
-    )
-
-
-def fma_peak(threads: int, seconds: float = 0.2, repetitions: int = 5) -> float | None:
-    """fp32 flops a second the CPU's FMA units issue on `threads` threads, at the widest vectors
-    it has (fma_peak.c): the best of `repetitions` runs of about `seconds`; None without a C
-    compiler."""
-    lib = _fma_probe().load()
-    if lib is None:
-        return None
-    sink = (ctypes.c_float * 1)()
-    iters = 1 << 16
-    while True:  # grow the run until it takes `seconds`
-        t0 = time.perf_counter()
-        flops = lib.fma_flops(iters, threads, sink)
-        took = time.perf_counter() - t0
-        if took >= seconds / 4:
-            break
-        iters *= 4
-    iters = int(iters * seconds / took)
-    best = 0.0
-    for _ in range(repetitions):
-        t0 = time.perf_counter()
-        flops = lib.fma_flops(iters, threads, sink)
-        best = max(best, flops / (time.perf_counter() - t0))
-    return best
-
-
 def prefill_ceiling_row(config, flops_s: float, llama: dict[str, float] | None) -> dict:
     """The fp32 prefill ceiling: the layers' projections alone at the FMA units' peak `flops_s`
-    (fma_peak), against the prefill target (5x llama.cpp's pp512). Attention, dequantizing the
-    weights and the rest only lower it."""
+    (kernels/cpu_fma_peak.py), against the prefill target (5x llama.cpp's pp512). Attention,
+    dequantizing the weights and the rest only lower it."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
@@ -427,7 +375,9 @@ def run(args: argparse.Namespace) -> int:
     res["llama_cpp"] = None if llama is None else {k: round(v, 1) for k, v in llama.items()}
     res["rows"] = ratio_rows(brigade, llama)
     res["floor"] = floor_row(weight_bytes(gguf), read_bandwidth(args.threads), llama)
-    peak = fma_peak(args.threads)
+    from kernels import cpu_fma_peak  # here: kernels import torch, `brigade --help` does not
+
+    peak = cpu_fma_peak.fma_peak(args.threads)
     if peak is not None:
         res["prefill_ceiling"] = prefill_ceiling_row(engine.model_config, peak, llama)
     write_results(args.out, "peer", res, markdown(res))

@@ -1,23 +1,12 @@
 /* The CPU's fp32 FMA throughput: every OpenMP thread runs `iters` rounds of ACC independent
  * fused multiply-adds on vector registers (enough chains to hide the FMA's latency), so the
  * time is the FMA units' issue rate and nothing else: no loads, no stores. The widest vectors
- * the flags allow (kernel_isa(): 2 AVX-512, 1 AVX2 + FMA, 0 plain C). Returns the fp32 flops
- * done (2 per lane per FMA); the caller times the call. */
-#include <stdint.h>
-#if defined(__AVX512F__)
-#define ISA_LEVEL 2
-#elif defined(__AVX2__) && defined(__FMA__)
-#define ISA_LEVEL 1
-#else
-#define ISA_LEVEL 0
-#endif
-#if ISA_LEVEL > 0
-#include <immintrin.h>
-#endif
+ * the flags allow (cpu_quant_blocks.h's levels: 2 AVX-512, 1 AVX2 + FMA + F16C, 0 plain C).
+ * Returns the fp32 flops done (2 per lane per FMA); the caller times the call
+ * (kernels/cpu_fma_peak.py). */
+#include "cpu_quant_blocks.h" /* the ISA level (the GEMV's flags) and kernel_isa() */
 
 #define ACC 12
-
-int kernel_isa(void) { return ISA_LEVEL; }
 
 double fma_flops(int64_t iters, int32_t num_threads, float *sink) {
     double lanes = 0.0; /* vector lanes over all threads */
