@@ -300,7 +300,8 @@ class PromptTokenized(Event, tag="tokenized"):
 
 class TokensGenerated(Event, tag="tokens"):
     """New token ids of one engine step, or of several while detokenize lags when the engine stage
-    coalesces them (BRIGADE_STREAM_MAX_COALESCE > 1: stages/engine_stream.py). `seq` counts from 0 per request, one per event.
+    coalesces them (BRIGADE_STREAM_MAX_COALESCE > 1: stages/engine_stream.py). `seq` counts
+    from 0 per request, one per event.
 
     `context_token_ids` are the tokens just before `token_ids` (enough to decode them and to
     hold back a stop string), so any detokenize worker can handle any event on its own.
