@@ -46,10 +46,8 @@ QUESTIONS = (
     "What does a compiler do?",
     "Tell me about the moon.",
 )
-SIDES = ("engine", "pipeline", "procs", "llama-server", "pipeline-uncoalesced")
-DEFAULT_SIDES = SIDES[:4]
-# the pipeline with one token to an event always: the coalescing lever's other side
-UNCOALESCED = {"BRIGADE_STREAM_MAX_COALESCE": "1"}
+SIDES = ("engine", "pipeline", "procs", "llama-server")
+DEFAULT_SIDES = SIDES
 RETRIES = 5  # a refused (503) request waits its Retry-After and is sent again, as SDKs do
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The issue's targets, at 8 and 32 streams
@@ -71,8 +69,17 @@ def register(subparsers) -> None:
     p.add_argument(
         "--sides",
         default=",".join(DEFAULT_SIDES),
-        help=f"comma-separated subset of {','.join(SIDES)} (default: {','.join(DEFAULT_SIDES)}; "
-        "pipeline-uncoalesced is the pipeline with one token to an event always)",
+        help=f"comma-separated subset of {','.join(SIDES)} (default: all)",
+    )
+    p.add_argument(
+        "--lever",
+        action="append",
+        default=[],
+        type=parse_lever,
+        metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+        help="one more pipeline side, with these settings over the defaults, reported against "
+        "the default pipeline of the same run (repeat it for more): "
+        "--lever flush-step:BRIGADE_STREAM_FLUSH=step",
     )
     p.add_argument(
         "--procs-at", type=int, default=8, help="the concurrency of the --procs side (default 8)"
@@ -88,6 +95,31 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="1 and 4 clients, 32 tokens")
     p.add_argument("--out", type=Path, default=Path(".brigade/bench"), help="output directory")
     p.set_defaults(func=run)
+
+
+def parse_lever(text: str) -> tuple[str, dict[str, str]]:
+    """ "name:VAR=VALUE,VAR=VALUE" -> (name, {VAR: VALUE}); every VAR a declared setting, its
+    value one that setting takes."""
+    name, sep, assignments = text.partition(":")
+    env: dict[str, str] = {}
+    for part in assignments.split(",") if sep else []:
+        var, eq, value = part.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"{part!r} is not VAR=VALUE")
+        found = next((st for st in settings.SETTINGS if st.name == var.strip()), None)
+        if found is None:
+            raise argparse.ArgumentTypeError(f"{var.strip()!r} is not a Brigade setting")
+        try:
+            found.parse(value.strip())
+        except settings.InvalidSetting as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        env[var.strip()] = value.strip()
+    if not name.strip() or not env or name.strip() in SIDES:
+        raise argparse.ArgumentTypeError(
+            f"a lever is NAME:VAR=VALUE[,VAR=VALUE] with a name not among {', '.join(SIDES)}, "
+            f"got {text!r}"
+        )
+    return name.strip(), env
 
 
 def work_items(count: int, max_tokens: int) -> list[WorkItem]:
@@ -401,11 +433,12 @@ def run(args: argparse.Namespace) -> int:
                 f"engine alone, {c} streams: {results['engine'][c]['aggregate_tps']:.1f} tok/s"
             )
         del eng
-    for side in ("pipeline", "pipeline-uncoalesced", "procs"):
-        if side not in sides:
+    levers = dict(args.lever)
+    for side in ("pipeline", *levers, "procs"):
+        if side not in sides and side not in levers:
             continue
         at = [args.procs_at] if side == "procs" else levels
-        env = UNCOALESCED if side == "pipeline-uncoalesced" else {}
+        env = levers.get(side, {})
         with tempfile.TemporaryDirectory(prefix="brigade-serve-") as tmp:
             progress(f"{side}: starting brigade up{' --procs' if side == 'procs' else ''}")
             with Pipeline(procs=side == "procs", data_dir=Path(tmp), env=env) as up:
@@ -452,6 +485,7 @@ def run(args: argparse.Namespace) -> int:
         f"{platform.python_version()}, 1-min load average {load_before:.1f} before and "
         f"{os.getloadavg()[0]:.1f} after the run",
         "sides": results,
+        "levers": levers,
         "targets": targets(results, [c for c in levels if c >= 8]),
         "notes": notes,
     }
@@ -584,30 +618,34 @@ def markdown(report: dict) -> str:
                     f"{_f(t['cpu_ceiling_of_engine'], 2)} | {_f(t.get('of_engine'), 2)} | "
                     f"{_f(t['cpu_ms_per_token_allowed_beyond_engine'], 2)} |"
                 )
-    if "pipeline" in sides and "pipeline-uncoalesced" in sides:
+    levers = report.get("levers") or {}
+    if "pipeline" in sides and any(name in sides for name in levers):
         lines += [
             "",
-            "Coalescing (several tokens to an event while detokenize lags) against one token to an "
-            "event always, the same pipeline otherwise:",
+            "Levers: each a pipeline side with the settings named, against the default pipeline "
+            "of this run:",
             "",
-            "| streams | aggregate, coalescing / not | ITL P95 ms, coalescing / not | "
-            "CPU ms/token, coalescing / not |",
-            "|---:|---:|---|---|",
+            "| lever | settings | streams | aggregate, lever / default | ITL P95 ms, lever / "
+            "default | CPU ms/token, lever / default |",
+            "|---|---|---:|---:|---|---|",
         ]
-        off = sides["pipeline-uncoalesced"]
-        for c, on in sorted(sides["pipeline"].items(), key=lambda kv: int(kv[0])):
-            if c not in off:
-                continue
-            o = off[c]
-            lines.append(
-                f"| {c} | {_f(on['aggregate_tps'] / max(o['aggregate_tps'], 1e-9), 2)} | "
-                f"{_f(on['itl_ms']['p95'], 2)} / {_f(o['itl_ms']['p95'], 2)} | "
-                f"{_f(on.get('cpu_ms_per_token_total'), 2)} / "
-                f"{_f(o.get('cpu_ms_per_token_total'), 2)} |"
-            )
+        base = sides["pipeline"]
+        for name, env in levers.items():
+            given = " ".join(f"`{k}={v}`" for k, v in env.items())
+            for c, on in sorted(sides.get(name, {}).items(), key=lambda kv: int(kv[0])):
+                o = base.get(c)
+                if o is None:
+                    continue
+                lines.append(
+                    f"| {name} | {given} | {c} | "
+                    f"{_f(on['aggregate_tps'] / max(o['aggregate_tps'], 1e-9), 2)} | "
+                    f"{_f(on['itl_ms']['p95'], 2)} / {_f(o['itl_ms']['p95'], 2)} | "
+                    f"{_f(on.get('cpu_ms_per_token_total'), 2)} / "
+                    f"{_f(o.get('cpu_ms_per_token_total'), 2)} |"
+                )
     for name, by_level in sides.items():
         for c, r in sorted(by_level.items(), key=lambda kv: int(kv[0])):
-            if name not in ("pipeline", "procs", "llama-server") or "cpu_ms_per_token" not in r:
+            if name in ("engine",) or "cpu_ms_per_token" not in r:
                 continue
             lines += ["", f"CPU ms per generated token, {name} at {c} streams:", ""]
             lines += ["| process | CPU ms / token |", "|---|---:|"]

@@ -3,6 +3,7 @@ real engine), the targets' arithmetic and the table."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -138,3 +139,38 @@ def test_the_cpu_ceiling_is_the_engines_cpu_per_token_over_the_pipelines():
 
 def test_no_llama_server_says_why(tmp_path: Path):
     assert "no llama.cpp build under" in serve.llama_server_binary(tmp_path)
+
+
+def test_a_lever_names_declared_settings_and_values_they_take():
+    assert serve.parse_lever("flush-step:BRIGADE_STREAM_FLUSH=step") == (
+        "flush-step",
+        {"BRIGADE_STREAM_FLUSH": "step"},
+    )
+    assert serve.parse_lever("both:BRIGADE_EDGE_BATCH_SSE=1, BRIGADE_EDGE_HTTP=httptools")[1] == {
+        "BRIGADE_EDGE_BATCH_SSE": "1",
+        "BRIGADE_EDGE_HTTP": "httptools",
+    }
+    for bad, says in (
+        ("nosettings", "NAME:VAR=VALUE"),
+        ("pipeline:BRIGADE_STREAM_FLUSH=step", "not among"),
+        ("x:BRIGADE_NO_SUCH=1", "not a Brigade setting"),
+        ("x:BRIGADE_STREAM_FLUSH=sometimes", "allowed: step or event"),
+        ("x:BRIGADE_STREAM_FLUSH", "not VAR=VALUE"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            serve.parse_lever(bad)
+
+
+def test_each_lever_is_reported_against_the_default_pipeline_of_the_run():
+    default, lever = side(300, 100, 20, 30), side(330, 90, 18, 24)
+    default["cpu_ms_per_token_total"], lever["cpu_ms_per_token_total"] = 6.0, 5.5
+    table = serve.markdown(
+        {"model": "m", "max_tokens": 100, "requests_per_client": 1, "machine": "x",
+         "sides": {"pipeline": {8: default}, "flush-step": {8: lever}},
+         "levers": {"flush-step": {"BRIGADE_STREAM_FLUSH": "step"}}, "targets": {},
+         "notes": []}
+    )  # fmt: skip
+    assert (
+        "| flush-step | `BRIGADE_STREAM_FLUSH=step` | 8 | 1.10 | 24.00 / 30.00 | 5.50 / 6.00 |"
+        in table
+    )
