@@ -379,6 +379,13 @@ STREAM_MAX_COALESCE = declare(Setting[int](
     "events); 1, the default: always one (coalescing measured slower, docs/benchmarks.md)",
     readers=("engine",),
 ))  # fmt: skip
+STREAM_FLUSH = declare(Setting[str](
+    name="BRIGADE_STREAM_FLUSH", kind="str", default="step", choices=("step", "event"),
+    help="when the engine stage lets its `tokens` events out to NATS: `step` (the default), a "
+    "step's events together in one write; `event`, each as it is published (a write each; "
+    "measured slower, docs/benchmarks.md)",
+    readers=("engine",),
+))  # fmt: skip
 STREAM_LAG_POLL_S = declare(Setting[float](
     name="BRIGADE_STREAM_LAG_POLL_S", kind="float", default=0.1, gt=0,
     help="how often the engine stage samples detokenize's backlog",

@@ -2,7 +2,8 @@
 shared runtime (stages/runtime/service.py).
 
 Takes `tokenized` only while KV capacity allows (admission: `capacity()`), runs step() in a
-worker thread, publishes each step's tokens pipelined, and settles a request's input only after
+worker thread, publishes each step's tokens pipelined (the step's events leave in one socket
+write: BRIGADE_STREAM_FLUSH), and settles a request's input only after
 its `finished` event is stored — so a killed worker's request is redelivered and continued from
 the tokens its worker stored: prompt plus those tokens, `max_tokens` reduced, each draw keyed by
 (seed, position), so it samples what the uninterrupted run would have (engine.add_request's
@@ -323,6 +324,8 @@ class EngineStage(InputService):
                 run = self.runs.get(out.request_id)
                 if run is not None:
                     await self._on_output(run, out, took, stats, tg)
+            if self.stream.config.flush == "step":
+                await anyio.sleep(0)  # nats-py's flusher writes the step's events at once
             self.ctx.room_changed()
 
     def _step(self) -> list[Any]:
@@ -392,9 +395,10 @@ class EngineStage(InputService):
         assert event is not None, "nothing held to send"
         run.num_tokens_through.append(len(run.output_ids))
         run.pending.append((event, await self.bus.publish_async(event)))
-        # Let nats-py's flusher write it now: ts_ns was stamped just before, and otherwise
-        # every event of this step would wait for the last one to be prepared.
-        await anyio.sleep(0)
+        if self.stream.config.flush == "event":
+            # Let nats-py's flusher write it now: ts_ns was stamped just before, and otherwise
+            # every event of this step would wait for the last one to be prepared.
+            await anyio.sleep(0)
 
     async def _finish(
         self, run: Run, reason: str, num_prompt_tokens: int, seed: int | None

@@ -38,11 +38,18 @@ log = logging.getLogger("brigade.engine")
 class StreamConfig:
     max_tokens_per_event: int = 1  # 1 (the default): one event per token and step, always
     poll_s: float = 0.1
+    # "step": a step's events leave in one socket write once all are published; "event": each
+    # as it is published (a write each: measured slower, docs/benchmarks.md)
+    flush: str = "step"
 
     @classmethod
     def from_env(cls) -> StreamConfig:
         found = settings.load()
-        return cls(found[settings.STREAM_MAX_COALESCE], found[settings.STREAM_LAG_POLL_S])
+        return cls(
+            found[settings.STREAM_MAX_COALESCE],
+            found[settings.STREAM_LAG_POLL_S],
+            found[settings.STREAM_FLUSH],
+        )
 
 
 class StreamInterval:

@@ -78,3 +78,33 @@ async def test_events_coalesce_while_detokenize_lags_and_the_text_is_the_same(
         sizes += [len(e.token_ids) for e in tokens]
     assert max(sizes) == 4  # coalesced up to the cap under the backlog, never past it
     assert len(sizes) < len(prompts) * 40 * 0.6  # far fewer events than tokens
+
+
+@pytest.mark.anyio
+async def test_flushing_per_step_carries_the_same_events_as_per_event(
+    bus_config, engine, monkeypatch
+):
+    """BRIGADE_STREAM_FLUSH=step writes a step's events together: the runs' events are the same
+    ones (one token each, seq contiguous, the same greedy tokens) as with a write per event."""
+    prompts = [
+        engine.tokenizer.encode_chat([{"role": "user", "content": f"Name {n} colours."}])
+        for n in (2, 3, 4)
+    ]
+    ids_by_mode = {}
+    for mode in ("event", "step"):
+        monkeypatch.setenv("BRIGADE_STREAM_FLUSH", mode)
+        async with running_stage(bus_config, engine) as bus:
+            sub = await bus.nc.subscribe("llm.ev.*.>")
+            for i, prompt in enumerate(prompts):
+                await bus.publish(
+                    tokenized(f"{mode}{i}", prompt, max_tokens=12, ignore_eos=True, temperature=0.0)
+                )
+            got = await events_until_end(sub, {f"{mode}{i}" for i in range(len(prompts))})
+        ids = []
+        for i in range(len(prompts)):
+            tokens = [e for e in got[f"{mode}{i}"] if isinstance(e, TokensGenerated)]
+            assert [e.seq for e in tokens] == list(range(12))
+            assert all(len(e.token_ids) == 1 for e in tokens)
+            ids.append([e.token_ids[0] for e in tokens])
+        ids_by_mode[mode] = ids
+    assert ids_by_mode["step"] == ids_by_mode["event"]
