@@ -511,6 +511,18 @@ EDGE_DEADLINE_S = declare(Setting[float](
     "(`deadline_s` in tenants.toml) sets its own",
     readers=("edge",),
 ))  # fmt: skip
+EDGE_HTTP = declare(Setting[str](
+    name="BRIGADE_EDGE_HTTP", kind="str", default="h11", choices=("h11", "httptools"),
+    help="the edge's HTTP/1.1 parser and writer (uvicorn's protocols; the header, body and "
+    "timeout bounds hold on both); httptools needs the `httptools` package",
+    readers=("edge",),
+))  # fmt: skip
+EDGE_BATCH_SSE = declare(Setting[bool](
+    name="BRIGADE_EDGE_BATCH_SSE", kind="bool", default=False,
+    help="an SSE answer's chunks that are ready together leave in one write (a lagging edge "
+    "writes fewer, larger chunks); off: one write per chunk",
+    readers=("edge",),
+))  # fmt: skip
 EDGE_KEEPALIVE_S = declare(Setting[float](
     name="BRIGADE_EDGE_KEEPALIVE_S", kind="float", default=10.0, gt=0,
     help="seconds of silence before a waiting stream gets a keep-alive (an SSE `: keep-alive` "

@@ -140,7 +140,8 @@ class EdgeService(Service):
                         max_header_bytes=config.max_header_bytes,
                         header_timeout_s=config.header_timeout_s,
                         body_timeout_s=config.body_timeout_s,
-                    )
+                    ),
+                    config.http,
                 ),
                 h11_max_incomplete_event_size=4 * config.max_header_bytes + (64 << 10),
                 log_level="warning",

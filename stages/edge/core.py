@@ -71,6 +71,9 @@ class EdgeConfig:
     reconnect_grace_s: float = 15.0
     deadline_s: float = 300.0  # a request's wait for its first token unless it or its tenant say
     keepalive_s: float = 10.0  # silence before a waiting stream's keep-alive (deadline.py)
+    # an SSE answer's chunks that are ready together go out as one write (else one write each)
+    batch_sse: bool = False
+    http: str = "h11"  # uvicorn's HTTP/1.1 protocol: h11 or httptools (http_limits.py bounds both)
     admission: AdmissionConfig = AdmissionConfig()
     # BRIGADE_MODEL: the served models, `[id=]artifact`, comma-separated, the default first
     model: str = settings.MODEL.default
@@ -106,6 +109,8 @@ class EdgeConfig:
             reconnect_grace_s=found[settings.EDGE_RECONNECT_GRACE_S],
             deadline_s=found[settings.EDGE_DEADLINE_S],
             keepalive_s=found[settings.EDGE_KEEPALIVE_S],
+            batch_sse=found[settings.EDGE_BATCH_SSE],
+            http=found[settings.EDGE_HTTP],
             model=found[settings.MODEL],
             model_aliases=found[settings.EDGE_MODEL_ALIASES],
             max_model_len=found[settings.MAX_MODEL_LEN],

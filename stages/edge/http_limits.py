@@ -1,8 +1,10 @@
-"""The edge's HTTP/1.1 connection bounds, on uvicorn's h11 protocol: a request's headers must
-arrive within `header_timeout_s` and hold at most `max_header_bytes`, its body within
-`body_timeout_s` after them. Past a bound the client gets 408 or 431 (OpenAI's error shape,
-an X-Request-Id) and the connection is closed; a 431 is sent while the rest of the oversized
-headers is read and dropped for a moment, so the client reads the answer instead of a reset.
+"""The edge's HTTP/1.1 connection bounds, on either of uvicorn's protocols (h11, the default,
+or httptools: BRIGADE_EDGE_HTTP): a request's headers must arrive within `header_timeout_s` and
+hold at most `max_header_bytes`, its body within `body_timeout_s` after them. Past a bound the
+client gets 408 or 431 (OpenAI's error shape, an X-Request-Id) and the connection is closed; a
+431 is sent while the rest of the oversized headers is read and dropped for a moment, so the
+client reads the answer instead of a reset. The bounds are one mixin over the two protocols,
+which differ only in how they say where a request is (reading headers, its body, or done).
 """
 
 from __future__ import annotations
@@ -54,16 +56,38 @@ def refusal(status: int, reason: str, code: str, message: str) -> bytes:
     return head + body
 
 
-def bounded_protocol(limits: HttpLimits) -> type[H11Protocol]:
-    """uvicorn's h11 protocol class with `limits` (uvicorn.Config(http=...))."""
-    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"limits": limits})
+PROTOCOLS = ("h11", "httptools")
 
 
-class BoundedH11Protocol(H11Protocol):
+def bounded_protocol(limits: HttpLimits, http: str = "h11") -> type[asyncio.Protocol]:
+    """uvicorn's `http` protocol class ("h11" or "httptools") with `limits`
+    (uvicorn.Config(http=...))."""
+    if http == "h11":
+        base: type = BoundedH11Protocol
+    elif http == "httptools":
+        base = bounded_httptools()
+    else:
+        raise ValueError(f"http must be one of {', '.join(PROTOCOLS)}, not {http!r}")
+    return type(f"Bounded{base.__name__}", (base,), {"limits": limits})
+
+
+class _Bounds:
+    """The bounds, mixed in before a uvicorn protocol class. The protocol says where the
+    current request is: `_reading_headers()` (before its headers end) and `_reading_body()`."""
+
     limits = HttpLimits()
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+    cycle: Any
+
+    def _reading_headers(self) -> bool:
+        raise NotImplementedError
+
+    def _reading_body(self) -> bool:
+        raise NotImplementedError
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self._head = bytearray()  # the current request's bytes until its headers end
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
@@ -73,17 +97,17 @@ class BoundedH11Protocol(H11Protocol):
     # ---- the connection's life ----
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(transport)  # type: ignore[misc]
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
         if self._closing_timer is not None:
             self._closing_timer.cancel()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # type: ignore[misc]
         if not self.transport.is_closing():
             self._arm_header_timer()  # the next request's headers (beside uvicorn's keep-alive)
 
@@ -93,19 +117,18 @@ class BoundedH11Protocol(H11Protocol):
             if self._lingering > LINGER_MAX_BYTES:
                 self.transport.close()
             return
-        if self.conn.their_state is h11.IDLE and self._too_long(data):
+        if self._reading_headers() and self._too_long(data):
             return
-        super().data_received(data)
+        super().data_received(data)  # type: ignore[misc]
         if self.transport.get_protocol() is not self:  # upgraded to a websocket
             self._cancel_timers()
             return
-        state = self.conn.their_state
-        if state is h11.IDLE:
+        if self._reading_headers():
             return  # still reading headers: the header timer runs
         self._head.clear()
         self._cancel(self._header_timer)
         self._header_timer = None
-        if state is h11.SEND_BODY:
+        if self._reading_body():
             if self._body_timer is None:
                 self._body_timer = self.loop.call_later(
                     self.limits.body_timeout_s, self._body_timed_out
@@ -196,3 +219,54 @@ class BoundedH11Protocol(H11Protocol):
     def _cancel(timer: asyncio.TimerHandle | None) -> None:
         if timer is not None:
             timer.cancel()
+
+
+class BoundedH11Protocol(_Bounds, H11Protocol):
+    def _reading_headers(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+    def _reading_body(self) -> bool:
+        return self.conn.their_state is h11.SEND_BODY
+
+
+def bounded_httptools() -> type:
+    """The bounds over uvicorn's httptools protocol (imported here: httptools is optional
+    where BRIGADE_EDGE_HTTP stays h11). Its parser's callbacks say where the request is."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError as err:
+        raise RuntimeError(
+            f"BRIGADE_EDGE_HTTP=httptools needs the httptools package ({err}); install it, or "
+            "set BRIGADE_EDGE_HTTP=h11"
+        ) from err
+
+    class BoundedHttpToolsProtocol(_Bounds, HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # "headers" until they end, "body" until the message ends, "done" until answered
+            self._phase = "headers"
+
+        def _reading_headers(self) -> bool:
+            return self._phase == "headers"
+
+        def _reading_body(self) -> bool:
+            return self._phase == "body"
+
+        def on_message_begin(self) -> None:
+            self._phase = "headers"
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._phase = "body"
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._phase = "done"
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            if self._phase == "done":
+                self._phase = "headers"  # the next request's, on a kept-alive connection
+            super().on_response_complete()
+
+    return BoundedHttpToolsProtocol

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import msgspec
 import nats.errors
+from anyio.streams.memory import MemoryObjectReceiveStream
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -309,6 +310,7 @@ class OpenAIRoutes:
         created = int(time.time())
         chat = runs[0].chat
         send, receive = anyio.create_memory_object_stream[bytes](max_buffer_size=64)
+        batch = self.edge.config.batch_sse
         errors: list[Exception] = []  # a run's bus error ends the whole answer
 
         async def follow(run: _Run, first: TextGenerated | Waiting | None, stream, out) -> None:
@@ -326,7 +328,7 @@ class OpenAIRoutes:
                         tg.start_soon(follow, run, first, stream, send.clone())
                     send.close()
                     async for piece in receive:
-                        yield piece
+                        yield _with_ready(piece, receive) if batch else piece
                 if errors:
                     raise errors[0]
                 terms = [r.watch.terminal for r in runs]
@@ -433,6 +435,16 @@ class OpenAIRoutes:
         if echo := run.take_echo():  # a run that ended before any delta
             yield chunk(echo, None, None)
         yield chunk("", reason, None)
+
+
+def _with_ready(piece: bytes, receive: MemoryObjectReceiveStream[bytes]) -> bytes:
+    """`piece` and the chunks already waiting behind it, as one write."""
+    pieces = [piece]
+    while True:
+        try:
+            pieces.append(receive.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 async def _chain(

@@ -12,20 +12,22 @@ import anyio
 import pytest
 import websockets
 
-from stages.edge.http_limits import HttpLimits
+from stages.edge.http_limits import PROTOCOLS, HttpLimits, bounded_protocol
 from tests.stages.edge_harness import ACME_KEY, keyring_for_tests, running_edge
 
 pytestmark = pytest.mark.anyio
 TIMEOUT_S = 0.5
 
 
-@pytest.fixture
-async def edge(bus_config, tmp_path):
+@pytest.fixture(params=PROTOCOLS)
+async def edge(request, bus_config, tmp_path):
+    """The edge on each of uvicorn's protocols (BRIGADE_EDGE_HTTP): the bounds hold on both."""
     async with running_edge(
         bus_config,
         keyring_for_tests(tmp_path),
         header_timeout_s=TIMEOUT_S,
         body_timeout_s=TIMEOUT_S,
+        http=request.param,
     ) as running:
         yield running
 
@@ -145,3 +147,8 @@ async def test_a_websocket_outlives_the_http_bounds(edge):
 def test_limits_are_positive():
     with pytest.raises(ValueError, match="positive"):
         HttpLimits(header_timeout_s=0)
+
+
+def test_an_unknown_protocol_is_refused():
+    with pytest.raises(ValueError, match="h11, httptools"):
+        bounded_protocol(HttpLimits(), "hyper")
