@@ -198,12 +198,6 @@ NATS_PASSWORD = declare(Setting[str | None](
     name="BRIGADE_NATS_PASSWORD", kind="str", default=None, default_text="none",
     help="password of BRIGADE_NATS_USER", readers=BUS_USERS, secret=True,
 ))  # fmt: skip
-NATS_SHARED = declare(Setting[bool](
-    name="BRIGADE_NATS_SHARED", kind="bool", default=False,
-    help="the stages of one process (`brigade up`'s light stages, the edge and its projector) "
-    "share one NATS connection, so their writes leave together; off: a connection each",
-    readers=BUS_USERS,
-))  # fmt: skip
 DATA_DIR = declare(Setting[Path](
     name="BRIGADE_DATA_DIR", kind="path", default=Path(".brigade"),
     help="`brigade up`'s NATS data and state file; tenants, ledger and archive by default",

@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 import nats
@@ -62,7 +60,6 @@ class BusConfig:
     publish_give_up_s: float = PUBLISH_GIVE_UP_S
     user: str | None = None  # NATS authentication (deploy/nats/brigade.conf's users)
     password: str | None = field(default=None, repr=False)
-    shared: bool = False  # the buses of one process share one connection (SharedConnections)
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -100,7 +97,6 @@ class BusConfig:
             "replicas": settings.STREAM_REPLICAS.get(),
             "user": settings.NATS_USER.get(),
             "password": settings.NATS_PASSWORD.get(),
-            "shared": settings.NATS_SHARED.get(),
         }
         kwargs.update(overrides)
         return cls(servers=servers, **kwargs)  # type: ignore[arg-type]
@@ -145,83 +141,12 @@ class _Unacked:
     wait_s: float  # how long the attempt in flight is given
 
 
-class _SharedClient:
-    """One bus's view of a shared connection: the connection itself for everything, except that
-    it keeps the subscriptions made through it (its JetStream context's too), which the bus
-    removes when it closes while the connection stays up for the others."""
-
-    def __init__(self, nc: Client) -> None:
-        self._shared_nc = nc
-        self._subscriptions: list[Any] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._shared_nc, name)
-
-    async def subscribe(self, *args: Any, **kwargs: Any) -> Any:
-        sub = await self._shared_nc.subscribe(*args, **kwargs)
-        self._subscriptions.append(sub)
-        return sub
-
-    async def unsubscribe_all(self) -> None:
-        for sub in self._subscriptions:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - already unsubscribed, or the connection is gone
-                pass
-        self._subscriptions.clear()
-
-
-class SharedConnections:
-    """The NATS connections this process shares between its buses (BusConfig.shared): one per
-    event loop and server set, counted, closed (drained) when its last bus closes. Every
-    stage of `brigade up`'s process then writes through one socket: what several stages publish
-    in one turn of the loop leaves in one write, and nats-server serves one connection."""
-
-    def __init__(self) -> None:
-        self._conns: dict[tuple[Any, ...], list[Any]] = {}  # key -> [client, users]
-
-    @staticmethod
-    def key(config: BusConfig) -> tuple[Any, ...]:
-        loop = asyncio.get_running_loop()
-        return (id(loop), config.servers, config.user, config.password)
-
-    async def acquire(self, config: BusConfig, connect: Any) -> Client:
-        key = self.key(config)
-        found = self._conns.get(key)
-        if found is not None and not found[0].is_closed:
-            found[1] += 1
-            return found[0]
-        nc = await connect()
-        self._conns[key] = [nc, 1]
-        return nc
-
-    def release(self, nc: Client) -> bool:
-        """One bus less on `nc`; True when it was the last (the caller closes it)."""
-        for key, found in list(self._conns.items()):
-            if found[0] is nc:
-                found[1] -= 1
-                if found[1] > 0:
-                    return False
-                del self._conns[key]
-                return True
-        return True
-
-    def users(self, nc: Client) -> int:
-        return next((found[1] for found in self._conns.values() if found[0] is nc), 0)
-
-
-SHARED = SharedConnections()
-
-
 class Bus:
-    """One NATS connection with its JetStream context. Build with `await Bus.connect(...)`;
-    with BusConfig.shared the connection is the process's shared one (SharedConnections)."""
+    """One NATS connection with its JetStream context. Build with `await Bus.connect(...)`."""
 
-    def __init__(self, nc: Client, config: BusConfig, *, shared: bool = False) -> None:
-        self._client = nc
-        self.shared = shared
-        self.nc: Client = _SharedClient(nc) if shared else nc  # type: ignore[assignment]
-        self.js: JetStreamContext = JetStreamContext(self.nc) if shared else nc.jetstream()
+    def __init__(self, nc: Client, config: BusConfig) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
         self.config = config
         self._kv: dict[str, KeyValue] = {}
         self._pulls: list[JetStreamContext.PullSubscription] = []
@@ -232,24 +157,18 @@ class Bus:
     @classmethod
     async def connect(cls, config: BusConfig | None = None, *, name: str = "brigade") -> Bus:
         config = config or BusConfig.from_env()
-
-        async def connect(named: str = name) -> Client:
-            return await nats.connect(
-                servers=list(config.servers),
-                name=named,
-                connect_timeout=config.connect_timeout_s,
-                user=config.user,
-                password=config.password,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                allow_reconnect=True,
-                drain_timeout=10,
-            )
-
-        if config.shared:
-            nc = await SHARED.acquire(config, lambda: connect(f"brigade-process-{os.getpid()}"))
-            return cls(nc, config, shared=True)
-        return cls(await connect(), config)
+        nc = await nats.connect(
+            servers=list(config.servers),
+            name=name,
+            connect_timeout=config.connect_timeout_s,
+            user=config.user,
+            password=config.password,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            allow_reconnect=True,
+            drain_timeout=10,
+        )
+        return cls(nc, config)
 
     async def close(self) -> None:
         """Flush what was published, then close (`drain` also unsubscribes gracefully)."""
@@ -259,9 +178,7 @@ class Bus:
             pending = self._unacked.popleft()
             if not pending.acked.done():
                 pending.acked.set_exception(nats.errors.ConnectionClosedError())
-        if self._client.is_closed:
-            if self.shared:
-                SHARED.release(self._client)
+        if self.nc.is_closed:
             return
         # nats.py's fetch takes messages without task_done, so draining a pull subscription
         # would wait for its queue forever: unsubscribe those first (unacked work is redelivered).
@@ -270,20 +187,11 @@ class Bus:
                 await sub.unsubscribe()
             except Exception:  # noqa: BLE001 - already unsubscribed
                 pass
-        if self.shared:
-            assert isinstance(self.nc, _SharedClient), "a shared bus's view"
-            await self.nc.unsubscribe_all()  # this bus's own; the others' stay
-            if not SHARED.release(self._client):
-                try:
-                    await self._client.flush()  # what this bus published leaves before it goes
-                except Exception:  # noqa: BLE001 - reconnecting: the connection resends it
-                    pass
-                return
         try:
-            await self._client.drain()
+            await self.nc.drain()
         except Exception:  # noqa: BLE001 - already closing, or reconnecting: nothing to drain
             try:
-                await self._client.close()
+                await self.nc.close()
             except Exception as err:  # noqa: BLE001 - its socket is gone already (uvloop raises)
                 log.debug("closing the NATS connection: %s", err)
 

@@ -93,7 +93,6 @@ def test_the_defaults_are_what_the_readers_used_before():
         "NATS_URL": (),
         "BRIGADE_NATS_USER": None,
         "BRIGADE_NATS_PASSWORD": None,
-        "BRIGADE_NATS_SHARED": False,
         "BRIGADE_DATA_DIR": Path(".brigade"),
         "BRIGADE_ARCHIVE_DIR": None,
         "BRIGADE_TENANTS": None,

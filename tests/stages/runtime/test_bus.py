@@ -12,7 +12,7 @@ import pytest
 from schemas import settings, subjects
 from schemas.events import CancelRequested, TextGenerated, TokensGenerated
 from stages.runtime import natsd
-from stages.runtime.bus import SHARED, Bus, BusConfig, ConsumerSpec
+from stages.runtime.bus import Bus, BusConfig, ConsumerSpec
 
 pytestmark = pytest.mark.anyio
 
@@ -148,53 +148,3 @@ async def test_a_pipelined_publish_never_answered_fails_at_its_give_up_time(
         assert bus.num_republished == 2
     finally:
         await bus.close()
-
-
-async def test_buses_of_one_process_share_one_connection_until_the_last_closes(
-    bus_config: BusConfig,
-) -> None:
-    """BusConfig.shared: two buses write through one connection; each one's subscriptions (its
-    JetStream context's too) go when it closes, the connection only with the last."""
-    shared = dataclasses.replace(bus_config, shared=True)
-    a, b = await Bus.connect(shared, name="a"), await Bus.connect(shared, name="b")
-    own = await Bus.connect(bus_config)  # not shared: a connection of its own
-    try:
-        assert a._client is b._client and own.nc is not a._client
-        assert SHARED.users(a._client) == 2
-        await a.ensure_streams()
-        heard_a: list[bytes] = []
-        heard_b: list[bytes] = []
-
-        def hear(into: list[bytes]):
-            async def cb(msg) -> None:
-                into.append(msg.data)
-
-            return cb
-
-        await a.nc.subscribe("t.x", cb=hear(heard_a))
-        await b.nc.subscribe("t.x", cb=hear(heard_b))
-        ack = await b.publish(TextGenerated(request_id="sh", seq=0, text="a"))  # b's JetStream
-        assert ack.stream == subjects.EVENTS_STREAM  # context, through the shared socket
-        await own.nc.publish("t.x", b"1")
-        await own.nc.flush()
-        with anyio.fail_after(5):
-            while not (heard_a and heard_b):
-                await anyio.sleep(0.01)
-        await a.close()
-        assert not b._client.is_closed and SHARED.users(b._client) == 1
-        await own.nc.publish("t.x", b"2")
-        await own.nc.flush()
-        with anyio.fail_after(5):
-            while len(heard_b) < 2:
-                await anyio.sleep(0.01)
-        assert heard_a == [b"1"] and heard_b == [b"1", b"2"]  # a's subscription went with it
-        assert (await b.publish(TextGenerated(request_id="sh", seq=1, text="b"))).seq == ack.seq + 1
-    finally:
-        await b.close()
-        await own.close()
-    assert a._client.is_closed and SHARED.users(a._client) == 0
-    again = await Bus.connect(shared)  # a closed shared connection is never handed out
-    try:
-        assert again._client is not a._client and again.nc.is_connected
-    finally:
-        await again.close()
