@@ -512,9 +512,9 @@ EDGE_DEADLINE_S = declare(Setting[float](
     readers=("edge",),
 ))  # fmt: skip
 EDGE_HTTP = declare(Setting[str](
-    name="BRIGADE_EDGE_HTTP", kind="str", default="h11", choices=("h11", "httptools"),
-    help="the edge's HTTP/1.1 parser and writer (uvicorn's protocols; the header, body and "
-    "timeout bounds hold on both); httptools needs the `httptools` package",
+    name="BRIGADE_EDGE_HTTP", kind="str", default="httptools", choices=("httptools", "h11"),
+    help="the edge's HTTP/1.1 parser and writer, one of uvicorn's protocols (the header, body "
+    "and timeout bounds hold on both): httptools, its C parser, or h11, pure Python",
     readers=("edge",),
 ))  # fmt: skip
 EDGE_BATCH_SSE = declare(Setting[bool](

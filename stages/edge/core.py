@@ -73,7 +73,8 @@ class EdgeConfig:
     keepalive_s: float = 10.0  # silence before a waiting stream's keep-alive (deadline.py)
     # an SSE answer's chunks that are ready together go out as one write (else one write each)
     batch_sse: bool = False
-    http: str = "h11"  # uvicorn's HTTP/1.1 protocol: h11 or httptools (http_limits.py bounds both)
+    # uvicorn's HTTP/1.1 protocol, httptools or h11 (stages/edge/http_limits.py bounds both)
+    http: str = "httptools"
     admission: AdmissionConfig = AdmissionConfig()
     # BRIGADE_MODEL: the served models, `[id=]artifact`, comma-separated, the default first
     model: str = settings.MODEL.default

@@ -1,5 +1,5 @@
-"""The edge's HTTP/1.1 connection bounds, on either of uvicorn's protocols (h11, the default,
-or httptools: BRIGADE_EDGE_HTTP): a request's headers must arrive within `header_timeout_s` and
+"""The edge's HTTP/1.1 connection bounds, on either of uvicorn's protocols (httptools, the
+default, or h11: BRIGADE_EDGE_HTTP): a request's headers must arrive within `header_timeout_s` and
 hold at most `max_header_bytes`, its body within `body_timeout_s` after them. Past a bound the
 client gets 408 or 431 (OpenAI's error shape, an X-Request-Id) and the connection is closed; a
 431 is sent while the rest of the oversized headers is read and dropped for a moment, so the
@@ -59,7 +59,7 @@ def refusal(status: int, reason: str, code: str, message: str) -> bytes:
 PROTOCOLS = ("h11", "httptools")
 
 
-def bounded_protocol(limits: HttpLimits, http: str = "h11") -> type[asyncio.Protocol]:
+def bounded_protocol(limits: HttpLimits, http: str = "httptools") -> type[asyncio.Protocol]:
     """uvicorn's `http` protocol class ("h11" or "httptools") with `limits`
     (uvicorn.Config(http=...))."""
     if http == "h11":
@@ -230,8 +230,9 @@ class BoundedH11Protocol(_Bounds, H11Protocol):
 
 
 def bounded_httptools() -> type:
-    """The bounds over uvicorn's httptools protocol (imported here: httptools is optional
-    where BRIGADE_EDGE_HTTP stays h11). Its parser's callbacks say where the request is."""
+    """The bounds over uvicorn's httptools protocol (imported here: with BRIGADE_EDGE_HTTP=h11
+    the edge runs without the httptools package). Its parser's callbacks say where the request
+    is."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError as err:

@@ -152,7 +152,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_EDGE_MODEL_ALIASES": (),
         "BRIGADE_EDGE_KV_WATERMARK": 0.95,
         "BRIGADE_EDGE_DEADLINE_S": 300.0,
-        "BRIGADE_EDGE_HTTP": "h11",
+        "BRIGADE_EDGE_HTTP": "httptools",
         "BRIGADE_EDGE_BATCH_SSE": False,
         "BRIGADE_EDGE_KEEPALIVE_S": 10.0,
         "BRIGADE_SWEEP_EDGE_CHECK_S": 0.25,

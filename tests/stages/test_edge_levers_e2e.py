@@ -1,8 +1,8 @@
-"""The edge's serving levers on the real pipeline (every stage, the real model, a real
-nats-server), driven by the `openai` SDK: on httptools (BRIGADE_EDGE_HTTP) with an SSE answer's
-ready chunks written together (BRIGADE_EDGE_BATCH_SSE), streamed answers are the whole answers,
-chunk for chunk, and n = 3 choices (three runs into one answer: chunks do queue) add up to each
-choice's text."""
+"""The edge's other settings on the real pipeline (every stage, the real model, a real
+nats-server), driven by the `openai` SDK: on h11 (BRIGADE_EDGE_HTTP; every other edge test runs
+on the default, httptools) with an SSE answer's ready chunks written together
+(BRIGADE_EDGE_BATCH_SSE), streamed answers are the whole answers, and n = 3 choices (three runs
+into one answer: chunks do queue) add up to each choice's text."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ async def pipeline(tmp_path_factory):
         for name, value in env.items():
             patch.setenv(name, value)
         keys = KeyRing(path, (MODEL,))
-        async with running_pipeline(data, keys, http="httptools", batch_sse=True) as running:
+        async with running_pipeline(data, keys, http="h11", batch_sse=True) as running:
             yield running
 
 
@@ -54,7 +54,7 @@ async def test_ready_chunks_leave_as_one_write_in_order():
     assert isinstance(receive, MemoryObjectReceiveStream)
 
 
-async def test_streamed_answers_on_httptools_with_batched_writes_are_the_whole_answers(pipeline):
+async def test_streamed_answers_on_h11_with_batched_writes_are_the_whole_answers(pipeline):
     edge, _ = pipeline
     client = openai.AsyncOpenAI(base_url=f"{edge.url}/v1", api_key=ACME_KEY, max_retries=0)
     args = {"model": MODEL, "messages": ASK, "max_tokens": 12, "temperature": 0}
@@ -74,7 +74,7 @@ async def test_streamed_answers_on_httptools_with_batched_writes_are_the_whole_a
     assert [got[i] for i in range(3)] == texts
 
 
-async def test_httptools_keeps_the_edges_errors_and_keep_alive(pipeline):
+async def test_h11_keeps_the_edges_errors_and_keep_alive(pipeline):
     edge, _ = pipeline
     async with httpx.AsyncClient(base_url=edge.url, timeout=30) as http:
         bad = await http.post(
