@@ -45,6 +45,9 @@ static inline int omp_threads(void) { return omp_get_num_threads(); }
 static inline int omp_threads(void) { return 1; }
 #endif
 
+#ifndef STEAL
+#define STEAL 1 /* the GEMVs' tiles with stealing (cpu_quant_dot.h); 0: static runs */
+#endif
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 
@@ -256,8 +259,11 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     for (int i = 0; i < T; ++i) max_len = ctx_len[i] > max_len ? ctx_len[i] : max_len;
     int failed = 0;
     (void)num_threads;
+    Steal *steal = STEAL ? aligned_alloc(64, sizeof(Steal)) : NULL; /* the GEMVs' counters */
+    if (steal != NULL) memset(steal, 0, sizeof(Steal));
 #pragma omp parallel num_threads(num_threads)
     {
+        int64_t calls = 0; /* this thread's GEMV calls: the same count on every thread */
         /* per thread: an item's scores [G, len], then its keys' offsets [len] */
         float *scores = (float *)malloc((sizeof(float) * G + sizeof(int64_t)) * (size_t)max_len + 8);
         int64_t *offs = (int64_t *)(scores + (size_t)max_len * G + (max_len * G) % 2);
@@ -276,7 +282,8 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
 #pragma omp for schedule(static)
             for (int r = 0; r < T; ++r)
                 rms_norm_row(x + (int64_t)r * hidden, in_norm, hidden, eps, h + (int64_t)r * hidden);
-            gemv_tiles(kind[0], 0, w_qkv, qkv_size, hidden, h, hidden, T, qkv, qkv_size);
+            gemv_tiles(kind[0], 0, w_qkv, qkv_size, hidden, h, hidden, T, qkv, qkv_size, steal,
+                       calls++);
 #pragma omp for schedule(static)
             for (int item = 0; item < T * (H + KVH); ++item) { /* RoPE; K and V to their slots */
                 const int r = item / (H + KVH), hd = item % (H + KVH);
@@ -302,21 +309,24 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
                        table, ctx_len[r], block_size, kv_size, D, group, scale, scores, offs,
                        att + (int64_t)r * q_size + hq * D);
             }
-            gemv_tiles(kind[1], 1, w_o, hidden, q_size, att, q_size, T, x, hidden);
+            gemv_tiles(kind[1], 1, w_o, hidden, q_size, att, q_size, T, x, hidden, steal, calls++);
 #pragma omp for schedule(static)
             for (int r = 0; r < T; ++r)
                 rms_norm_row(x + (int64_t)r * hidden, post_norm, hidden, eps,
                              h + (int64_t)r * hidden);
-            gemv_tiles(kind[2], 0, w_gu, 2 * (int64_t)ffn, hidden, h, hidden, T, act, 2 * ffn);
+            gemv_tiles(kind[2], 0, w_gu, 2 * (int64_t)ffn, hidden, h, hidden, T, act, 2 * ffn,
+                       steal, calls++);
 #pragma omp for schedule(static)
             for (int r = 0; r < T; ++r) { /* silu(gate) * up, into gate's half of the row */
                 float *a = act + (int64_t)r * 2 * ffn;
 #pragma omp simd
                 for (int j = 0; j < ffn; ++j) a[j] = a[j] / (1.0f + expf(-a[j])) * a[ffn + j];
             }
-            gemv_tiles(kind[3], 1, w_down, hidden, ffn, act, 2 * ffn, T, x, hidden);
+            gemv_tiles(kind[3], 1, w_down, hidden, ffn, act, 2 * ffn, T, x, hidden, steal,
+                       calls++);
         }
         free(scores);
     }
+    free(steal);
     return failed ? -2 : 0;
 }

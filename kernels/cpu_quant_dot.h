@@ -12,6 +12,9 @@
 #ifndef BRIGADE_CPU_QUANT_DOT_H
 #define BRIGADE_CPU_QUANT_DOT_H
 #define MAX_ROWS 8
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if ISA_LEVEL == 2
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -135,49 +138,100 @@ static inline __attribute__((always_inline)) void dot_row(
  * two threads share it evenly. A feature's sums are the same whatever its tile. */
 #define SMALL_OUT 2048
 
-static inline __attribute__((always_inline)) void gemv_tiles_kind(
+/* Tiles shared out to the threads with stealing: thread t owns the t-th contiguous run of
+ * tiles and takes them from its front, in order (the prefetchers follow one thread's blocks);
+ * one that is done takes what is left of the others' runs, from the same counters. A thread
+ * that a stage process preempts mid-phase then costs the step its preemption once, not twice
+ * (with `schedule(static)` the other thread would wait at the barrier for its tiles).
+ * Each tile is one thread's sums whoever takes it, so the result is the same bit for bit.
+ *
+ * The counters come in two sets, used by alternate calls: call c resets the set of call c + 1
+ * (last used by call c - 1, which every thread has left: each call ends at a barrier). */
+#define STEAL_MAX_THREADS 64
+typedef struct {
+    struct {
+        _Alignas(64) int64_t next; /* tiles taken of this thread's run, one cache line each */
+    } run[2][STEAL_MAX_THREADS];
+} Steal;
+
+/* The i-th tile of a GEMV: its output features against every row, in groups of MAX_ROWS. */
+static inline __attribute__((always_inline)) void gemv_tile(
     const int Q8, const int ADD, const uint8_t *w, int64_t out_features, int64_t in_features,
-    const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride) {
+    const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride, int64_t tile_size,
+    int64_t t) {
     const int nb = (int)(in_features / QK);
     const int64_t row_bytes = (int64_t)nb * (Q8 ? Q8_0_BYTES : Q4_1_BYTES);
-    const int64_t tile_size = out_features <= SMALL_OUT ? TILE / 2 : TILE;
-    const int64_t num_tiles = (out_features + tile_size - 1) / tile_size;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < num_tiles; ++t) {
-        const int64_t o0 = t * tile_size;
-        const int n = out_features - o0 < tile_size ? (int)(out_features - o0) : (int)tile_size;
-        float tile[MAX_ROWS][TILE];
-        for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
-            const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;
-            const float *xg = x + (int64_t)g0 * x_stride;
-            for (int j = 0; j < n; ++j) {
-                float sums[MAX_ROWS];
-                switch (group) {
-                    ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
-                    ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
-                }
-                for (int r = 0; r < group; ++r) tile[r][j] = sums[r];
+    const int64_t o0 = t * tile_size;
+    const int n = out_features - o0 < tile_size ? (int)(out_features - o0) : (int)tile_size;
+    float tile[MAX_ROWS][TILE];
+    for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
+        const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;
+        const float *xg = x + (int64_t)g0 * x_stride;
+        for (int j = 0; j < n; ++j) {
+            float sums[MAX_ROWS];
+            switch (group) {
+                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+                ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
             }
-            for (int r = 0; r < group; ++r) {
-                float *yr = y + (int64_t)(g0 + r) * y_stride + o0;
-                if (ADD)  /* y += x W^T: the residual add of a layer's output projection */
-                    for (int j = 0; j < n; ++j) yr[j] += tile[r][j];
-                else
-                    memcpy(yr, tile[r], n * sizeof(float));
-            }
+            for (int r = 0; r < group; ++r) tile[r][j] = sums[r];
+        }
+        for (int r = 0; r < group; ++r) {
+            float *yr = y + (int64_t)(g0 + r) * y_stride + o0;
+            if (ADD)  /* y += x W^T: the residual add of a layer's output projection */
+                for (int j = 0; j < n; ++j) yr[j] += tile[r][j];
+            else
+                memcpy(yr, tile[r], n * sizeof(float));
         }
     }
 }
 
+static inline __attribute__((always_inline)) void gemv_tiles_kind(
+    const int Q8, const int ADD, const uint8_t *w, int64_t out_features, int64_t in_features,
+    const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride, Steal *steal,
+    int64_t call) {
+    const int64_t tile_size = out_features <= SMALL_OUT ? TILE / 2 : TILE;
+    const int64_t num_tiles = (out_features + tile_size - 1) / tile_size;
+#ifdef _OPENMP
+    const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+    const int nt = 1, me = 0;
+#endif
+    if (steal == NULL || nt > STEAL_MAX_THREADS || nt == 1) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tiles; ++t)
+            gemv_tile(Q8, ADD, w, out_features, in_features, x, x_stride, rows, y, y_stride,
+                      tile_size, t);
+        return;
+    }
+    const int set = (int)(call & 1);
+    for (int k = 0; k < nt; ++k) { /* its own run first, then the others' */
+        const int owner = (me + k) % nt;
+        const int64_t start = num_tiles * owner / nt, end = num_tiles * (owner + 1) / nt;
+        for (;;) {
+            const int64_t t =
+                start + __atomic_fetch_add(&steal->run[set][owner].next, 1, __ATOMIC_RELAXED);
+            if (t >= end) break;
+            gemv_tile(Q8, ADD, w, out_features, in_features, x, x_stride, rows, y, y_stride,
+                      tile_size, t);
+        }
+    }
+    if (me == 0) /* the next call's set: its last user, call - 1, has been left by everyone */
+        for (int k = 0; k < nt; ++k)
+            __atomic_store_n(&steal->run[set ^ 1][k].next, 0, __ATOMIC_RELAXED);
+#pragma omp barrier
+}
+
 /* y = x W^T (add = 0) or y += x W^T (add = 1) for blocks of kind q8 (1: Q8_0, 0: Q4_1), inside a
- * running OpenMP region (every thread of it must call it; it ends with the `omp for` barrier). */
+ * running OpenMP region (every thread of it must call it; it ends with a barrier). `steal`: the
+ * region's counters (zeroed before the region) and `call` this call's number in the region, the
+ * same on every thread, for the stealing schedule; NULL: tiles in static runs. */
 static inline void gemv_tiles(int q8, int add, const uint8_t *w, int64_t out_features,
                               int64_t in_features, const float *x, int64_t x_stride, int rows,
-                              float *y, int64_t y_stride) {
-    if (q8 && add) gemv_tiles_kind(1, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride);
-    else if (q8) gemv_tiles_kind(1, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride);
-    else if (add) gemv_tiles_kind(0, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride);
-    else gemv_tiles_kind(0, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride);
+                              float *y, int64_t y_stride, Steal *steal, int64_t call) {
+    if (q8 && add) gemv_tiles_kind(1, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, steal, call);
+    else if (q8) gemv_tiles_kind(1, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, steal, call);
+    else if (add) gemv_tiles_kind(0, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, steal, call);
+    else gemv_tiles_kind(0, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, steal, call);
 }
 
 #endif

@@ -229,6 +229,29 @@ def test_both_attention_splits_match(model):
         torch.set_num_threads(before)
 
 
+def test_the_gemv_tiles_stolen_between_threads_change_no_bit(model):
+    """Each thread takes its own run of a GEMV's tiles, then what the others left (stealing,
+    cpu_quant_dot.h); 1 thread runs them in static order. Whoever takes a tile sums it the same
+    way: at 1, 2, 3 and 8 threads the residual stream and every K/V written are bit for bit the
+    same (32 rows: the KV-head attention split at each count)."""
+    ids, positions, attn = step(CASES["thirty-two rows"])
+    d, kvh = model.config.head_dim, model.config.num_kv_heads
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3, 8):
+            torch.set_num_threads(threads)
+            caches = random_caches(1, d, kvh)
+            results.append((model(ids, positions, caches, attn), caches))
+    finally:
+        torch.set_num_threads(before)
+    first, first_caches = results[0]
+    for got, caches in results[1:]:
+        assert torch.equal(got, first)
+        for (k, v), (k0, v0) in zip(caches, first_caches, strict=True):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
 def test_it_refuses_caches_and_inputs_of_another_shape(model):
     d = model.config.head_dim
     ids, positions, attn = step([(3, 1)])
