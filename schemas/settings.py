@@ -386,12 +386,6 @@ STREAM_FLUSH = declare(Setting[str](
     "measured slower, docs/benchmarks.md)",
     readers=("engine",),
 ))  # fmt: skip
-ENGINE_OVERLAP = declare(Setting[bool](
-    name="BRIGADE_ENGINE_OVERLAP", kind="bool", default=False,
-    help="the engine stage handles a step's outputs (builds and publishes its events) while the "
-    "next step runs, as SGLang's overlap scheduler does; a cancel then takes a step longer",
-    readers=("engine",),
-))  # fmt: skip
 STREAM_LAG_POLL_S = declare(Setting[float](
     name="BRIGADE_STREAM_LAG_POLL_S", kind="float", default=0.1, gt=0,
     help="how often the engine stage samples detokenize's backlog",

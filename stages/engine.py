@@ -12,7 +12,6 @@ num_prior_output).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -295,8 +294,6 @@ class EngineStage(InputService):
             self._to_add.clear()
 
     async def step_loop(self, stop: anyio.Event, tg: anyio.abc.TaskGroup) -> None:
-        # with overlap, a step's outputs (its events) are handled while the next step runs
-        ahead: tuple[list[Any], int, Any] | None = None
         while True:
             for run, err in self._add_pending():
                 del self.runs[run.request_id]
@@ -305,10 +302,6 @@ class EngineStage(InputService):
                 self.engine.abort_request(rid)  # frees its KV blocks now; reported by step()
             self._to_abort.clear()
             if not self.engine.has_unfinished_requests():
-                if ahead is not None:
-                    await self._handle_step(*ahead, tg)
-                    ahead = None
-                    continue
                 if stop.is_set() and not self._to_add:
                     return
                 self._work = anyio.Event()
@@ -317,55 +310,28 @@ class EngineStage(InputService):
                 continue
             began = time.monotonic_ns()
             try:
-                if ahead is None:
-                    outputs, stats = await anyio.to_thread.run_sync(self._step)
-                else:
-                    outputs, stats = await self._step_beside(ahead, tg)
-                    ahead = None
+                outputs = await anyio.to_thread.run_sync(self._step)
             except Exception as err:  # noqa: BLE001 - a broken step fails what it was running
                 log.exception("engine step failed")
                 self._fail_all(tg, f"the engine step failed: {type(err).__name__}: {err}")
                 continue
             took = time.monotonic_ns() - began
+            stats = self.engine.stats()
             self.step_tokens.observe(stats.num_step_tokens)
             self.compute_rate.observe(stats.num_step_tokens, took)
-            if self.stream.config.overlap:
-                ahead = (outputs, took, stats)
-            else:
-                await self._handle_step(outputs, took, stats, tg)
+            self._step_reported = False  # the step's size rides on its first tokens event
+            for out in outputs:
+                run = self.runs.get(out.request_id)
+                if run is not None:
+                    await self._on_output(run, out, took, stats, tg)
+            if self.stream.config.flush == "step":
+                await anyio.sleep(0)  # nats-py's flusher writes the step's events at once
+            self.ctx.room_changed()
 
-    async def _step_beside(
-        self, ahead: tuple[list[Any], int, Any], tg: anyio.abc.TaskGroup
-    ) -> tuple[list[Any], Any]:
-        """The next step in the worker thread while the last one's outputs are handled here;
-        the step is always awaited (the core is never touched while it runs)."""
-        stepping = asyncio.ensure_future(anyio.to_thread.run_sync(self._step))
-        try:
-            await self._handle_step(*ahead, tg)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await asyncio.wait([stepping])
-        return stepping.result()
-
-    async def _handle_step(
-        self, outputs: list[Any], took: int, stats: Any, tg: anyio.abc.TaskGroup
-    ) -> None:
-        """A step's outputs: its `tokens` events published, ended runs finished."""
-        self._step_reported = False  # the step's size rides on its first tokens event
-        for out in outputs:
-            run = self.runs.get(out.request_id)
-            if run is not None:
-                await self._on_output(run, out, took, stats, tg)
-        if self.stream.config.flush == "step":
-            await anyio.sleep(0)  # nats-py's flusher writes the step's events at once
-        self.ctx.room_changed()
-
-    def _step(self) -> tuple[list[Any], Any]:
-        """In the worker thread: lowered once (with the torch threads it starts), then one step
-        and the core's stats right after it."""
+    def _step(self) -> list[Any]:
+        """In the worker thread: lowered once (with the torch threads it starts), then one step."""
         self._lowered.ensure()
-        outputs = self.engine.step()
-        return outputs, self.engine.stats()
+        return self.engine.step()
 
     def _fail_all(self, tg: anyio.abc.TaskGroup, message: str) -> None:
         for rid, run in list(self.runs.items()):

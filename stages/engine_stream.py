@@ -41,8 +41,6 @@ class StreamConfig:
     # "step": a step's events leave in one socket write once all are published; "event": each
     # as it is published (a write each: measured slower, docs/benchmarks.md)
     flush: str = "step"
-    # a step's outputs handled (its events built and published) while the next step runs
-    overlap: bool = False
 
     @classmethod
     def from_env(cls) -> StreamConfig:
@@ -51,7 +49,6 @@ class StreamConfig:
             found[settings.STREAM_MAX_COALESCE],
             found[settings.STREAM_LAG_POLL_S],
             found[settings.STREAM_FLUSH],
-            found[settings.ENGINE_OVERLAP],
         )
 
 

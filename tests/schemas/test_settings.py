@@ -127,7 +127,6 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_FUSED_DECODE": True,
         "BRIGADE_STREAM_MAX_COALESCE": 1,
         "BRIGADE_STREAM_FLUSH": "step",
-        "BRIGADE_ENGINE_OVERLAP": False,
         "BRIGADE_STREAM_LAG_POLL_S": 0.1,
         "BRIGADE_CPU_KERNEL": True,
         "CC": None,

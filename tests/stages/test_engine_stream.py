@@ -84,17 +84,15 @@ async def test_events_coalesce_while_detokenize_lags_and_the_text_is_the_same(
 async def test_flushing_per_step_carries_the_same_events_as_per_event(
     bus_config, engine, monkeypatch
 ):
-    """BRIGADE_STREAM_FLUSH=step writes a step's events together, BRIGADE_ENGINE_OVERLAP=1
-    handles a step's outputs while the next step runs: the runs' events are the same ones (one
-    token each, seq contiguous, the same greedy tokens) as with a write per event."""
+    """BRIGADE_STREAM_FLUSH=step writes a step's events together: the runs' events are the same
+    ones (one token each, seq contiguous, the same greedy tokens) as with a write per event."""
     prompts = [
         engine.tokenizer.encode_chat([{"role": "user", "content": f"Name {n} colours."}])
         for n in (2, 3, 4)
     ]
     ids_by_mode = {}
-    for mode in ("event", "step", "overlap"):
-        monkeypatch.setenv("BRIGADE_STREAM_FLUSH", "step" if mode == "overlap" else mode)
-        monkeypatch.setenv("BRIGADE_ENGINE_OVERLAP", "1" if mode == "overlap" else "0")
+    for mode in ("event", "step"):
+        monkeypatch.setenv("BRIGADE_STREAM_FLUSH", mode)
         async with running_stage(bus_config, engine) as bus:
             sub = await bus.nc.subscribe("llm.ev.*.>")
             for i, prompt in enumerate(prompts):
@@ -109,4 +107,4 @@ async def test_flushing_per_step_carries_the_same_events_as_per_event(
             assert all(len(e.token_ids) == 1 for e in tokens)
             ids.append([e.token_ids[0] for e in tokens])
         ids_by_mode[mode] = ids
-    assert ids_by_mode["step"] == ids_by_mode["event"] == ids_by_mode["overlap"]
+    assert ids_by_mode["step"] == ids_by_mode["event"]
