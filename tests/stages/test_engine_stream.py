@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from schemas import subjects
-from schemas.events import RunFinished, TextGenerated, TokensGenerated
+from schemas.events import RunCompleted, RunFinished, TextGenerated, TokensGenerated
 from stages.detokenize import Detokenizer
 from stages.engine_stream import StreamConfig, StreamInterval
 from stages.runtime.bus import ConsumerSpec
@@ -108,3 +108,73 @@ async def test_flushing_per_step_carries_the_same_events_as_per_event(
             ids.append([e.token_ids[0] for e in tokens])
         ids_by_mode[mode] = ids
     assert ids_by_mode["step"] == ids_by_mode["event"]
+
+
+@pytest.mark.anyio
+async def test_two_detokenize_workers_make_the_text_of_coalesced_events(
+    bus_config, engine, monkeypatch
+):
+    """`--scale detokenize=2` with coalescing: the engine coalesces while detokenize's durable
+    lags (nobody pulls it yet), then two detokenize workers share that durable. Each run's text
+    events, whichever worker made each, are seq 0..last_seq once each, and their text is the
+    text of all its tokens."""
+    from stages import detokenize
+    from stages.runtime import worker as runtime
+
+    monkeypatch.setenv("BRIGADE_STREAM_MAX_COALESCE", "4")
+    monkeypatch.setenv("BRIGADE_STREAM_LAG_POLL_S", "0.01")
+    prompts = [
+        engine.tokenizer.encode_chat([{"role": "user", "content": f"Spell the number {n}."}])
+        for n in (11, 12, 13, 14)
+    ]
+    ids = [f"two{i}" for i in range(len(prompts))]
+    async with running_stage(bus_config, engine) as bus:
+        await bus.ensure_consumer(
+            ConsumerSpec(
+                durable=subjects.durable_name("detokenize"),
+                filter_subject=(subjects.all_events("tokens"), subjects.all_events("finished")),
+            )
+        )
+        sub = await bus.nc.subscribe("llm.ev.*.>")
+        for rid, prompt in zip(ids, prompts, strict=True):
+            await bus.publish(tokenized(rid, prompt, max_tokens=24, ignore_eos=True))
+        got = await events_until_end(sub, set(ids))  # the engine is done; detokenize is not
+        await sub.unsubscribe()
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            for _ in range(2):
+                tg.start_soon(
+                    lambda: runtime.serve(
+                        detokenize.SPEC, config=bus_config, stop=stop, handle_signals=False
+                    )
+                )
+            with anyio.fail_after(60):
+                while True:
+                    events = {rid: await bus.replay(rid) for rid in ids}
+                    done = {
+                        rid
+                        for rid, evs in events.items()
+                        if any(isinstance(e, RunCompleted) for e in evs)
+                        and {e.seq for e in evs if isinstance(e, TextGenerated)}
+                        >= set(
+                            range(next(e for e in evs if isinstance(e, RunCompleted)).last_seq + 1)
+                        )
+                    }
+                    if done == set(ids):
+                        break
+                    await anyio.sleep(0.05)
+            stop.set()
+    sizes = []
+    for rid in ids:
+        tokens = sorted(
+            (e for e in got[rid] if isinstance(e, TokensGenerated)), key=lambda e: e.seq
+        )
+        token_ids = [t for e in tokens for t in e.token_ids]
+        texts = sorted(
+            (e for e in events[rid] if isinstance(e, TextGenerated)), key=lambda e: e.seq
+        )
+        assert [e.seq for e in texts] == list(range(len(texts)))  # once each, none missing
+        assert "".join(e.text for e in texts) == engine.tokenizer.decode(token_ids)
+        assert len(token_ids) == 24
+        sizes += [len(e.token_ids) for e in tokens]
+    assert max(sizes) > 1  # the events were coalesced

@@ -116,3 +116,10 @@ def test_a_second_model_is_a_profile_with_an_engine_bound_to_it(compose):
     assert "BRIGADE_ENGINE_MODEL" not in engine["environment"]  # the first of BRIGADE_MODEL
     assert second["environment"]["BRIGADE_NATS_USER"] == "engine"
     assert "./models:/models:ro" in second["volumes"] and second["cpu_shares"] == 64
+
+
+def test_the_engine_takes_the_coalescing_setting_from_the_host(compose):
+    """`BRIGADE_STREAM_MAX_COALESCE=8 docker compose up --scale detokenize=2`: the engine reads
+    it (docs/benchmarks.md, Serving under compose), the default stays one token an event."""
+    env = compose["services"]["engine"]["environment"]
+    assert env["BRIGADE_STREAM_MAX_COALESCE"] == "${BRIGADE_STREAM_MAX_COALESCE:-1}"

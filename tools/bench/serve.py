@@ -85,6 +85,18 @@ def register(subparsers) -> None:
         "--procs-at", type=int, default=8, help="the concurrency of the --procs side (default 8)"
     )
     p.add_argument(
+        "--url",
+        default=None,
+        help="one more side, `deployment`: an edge already serving there (docker compose up, "
+        "a cluster), driven by the same client; its CPU per token counts every Brigade stage "
+        "and nats-server this host's /proc shows (a compose host's containers)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("BRIGADE_API_KEY"),
+        help="the deployment's API key (default: $BRIGADE_API_KEY)",
+    )
+    p.add_argument(
         "--llama-cpp-dir",
         type=Path,
         default=settings.LLAMA_CPP_DIR.get(),
@@ -147,6 +159,26 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     fields = stat.rpartition(")")[2].split()  # after "pid (comm)": state is fields[0]
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def deployment_pids(me: int) -> list[int]:
+    """Every process on this host that is a Brigade stage (`brigade stage NAME`, as compose
+    runs each container) or a nats-server, this one aside."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            words = [w for w in (entry / "cmdline").read_bytes().split(b"\0") if w]
+        except OSError:
+            continue
+        if not words:
+            continue
+        if Path(words[0].decode(errors="replace")).name == "nats-server" or (
+            b"stage" in words and words.index(b"stage") + 1 < len(words)
+        ):
+            found.append(int(entry.name))
+    return found
 
 
 def descendants(root: int) -> list[int]:
@@ -451,6 +483,23 @@ def run(args: argparse.Namespace) -> int:
                     samples, wall = drive_http(up.url, up.api_key, model, items, c)
                     results[side][c] = summary(samples, wall, cpu.stop())
                     progress(f"{side}, {c} streams: {results[side][c]['aggregate_tps']:.1f} tok/s")
+    if args.url:
+        pids = deployment_pids(me)
+        results["deployment"] = {}
+        drive_http(args.url, args.api_key, model, work_items(2, 8), 2)  # warm-up
+        for c in levels:
+            items = work_items(c * args.requests, args.max_tokens)
+            cpu = CpuMeter(pids, me)
+            cpu.start()
+            samples, wall = drive_http(args.url, args.api_key, model, items, c)
+            results["deployment"][c] = summary(samples, wall, cpu.stop())
+            progress(
+                f"deployment, {c} streams: {results['deployment'][c]['aggregate_tps']:.1f} tok/s"
+            )
+        notes.append(
+            f"deployment: the edge at {args.url}; CPU of the {len(pids)} Brigade stage and "
+            "nats-server processes this host shows"
+        )
     if "llama-server" in sides:
         binary = llama_server_binary(args.llama_cpp_dir)
         if isinstance(binary, str):
@@ -486,7 +535,11 @@ def run(args: argparse.Namespace) -> int:
         f"{os.getloadavg()[0]:.1f} after the run",
         "sides": results,
         "levers": levers,
-        "targets": targets(results, [c for c in levels if c >= 8]),
+        "targets": targets(
+            results,
+            [c for c in levels if c >= 8],
+            "pipeline" if "pipeline" in results else "deployment",
+        ),
         "notes": notes,
     }
     table = markdown(report)
@@ -516,10 +569,13 @@ def llama_server_binary(llama_cpp_dir: Path | None) -> Path | str:
     return found.server
 
 
-def targets(results: dict[str, dict[int, dict]], levels: list[int]) -> dict[str, dict]:
-    """Each target at each level where both sides it compares were measured."""
+def targets(
+    results: dict[str, dict[int, dict]], levels: list[int], side: str = "pipeline"
+) -> dict[str, dict]:
+    """Each target at each level where both sides it compares were measured; `side` is the
+    pipeline's (a --url deployment's where no pipeline side ran)."""
     out: dict[str, dict] = {}
-    pipe, eng, peer = (results.get(k, {}) for k in ("pipeline", "engine", "llama-server"))
+    pipe, eng, peer = (results.get(k, {}) for k in (side, "engine", "llama-server"))
     for c in levels:
         if c not in pipe:
             continue

@@ -174,3 +174,28 @@ def test_each_lever_is_reported_against_the_default_pipeline_of_the_run():
         "| flush-step | `BRIGADE_STREAM_FLUSH=step` | 8 | 1.10 | 24.00 / 30.00 | 5.50 / 6.00 |"
         in table
     )
+
+
+def test_a_deployment_is_its_brigade_stages_and_nats_servers_on_this_host():
+    """--url's CPU owners: every `... stage NAME` process (compose runs each container so) and
+    nats-server, found by their command lines; the client itself and other processes are not."""
+    stage = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)", "stage", "detokenize"]
+    )
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "stage"])
+    try:
+        time.sleep(0.2)
+        found = serve.deployment_pids(os.getpid())
+        assert stage.pid in found and other.pid not in found and os.getpid() not in found
+        assert serve.process_name(stage.pid) == "detokenize"
+    finally:
+        for p in (stage, other):
+            p.kill()
+            p.wait()
+
+
+def test_the_targets_read_a_deployment_where_no_pipeline_side_ran():
+    results = {"engine": {8: side(400, 100, 10, 12)}, "deployment": {8: side(360, 150, 11, 14)}}
+    t = serve.targets(results, [8], "deployment")["8"]
+    assert t["of_engine"] == pytest.approx(0.9) and t["itl_p95_of_step"] == pytest.approx(1.4)
+    assert serve.targets(results, [8]) == {}  # no pipeline side: nothing to compare
