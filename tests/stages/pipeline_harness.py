@@ -8,11 +8,14 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
+import pytest
 
+from schemas import settings
 from stages.edge.keys import KeyRing
 from stages.runtime import natsd
 from stages.runtime.bus import BusConfig
-from tests.stages.edge_harness import MODEL, RunningEdge, running_edge
+from stages.tenancy import tenants
+from tests.stages.edge_harness import ACME_KEY, MODEL, RunningEdge, running_edge
 from tools.stage import PIPELINE, serve_stage
 
 
@@ -53,4 +56,23 @@ async def running_pipeline(
         natsd.stop(server)
 
 
-__all__ = ["MODEL", "running_pipeline", "start_stages"]
+@asynccontextmanager
+async def acme_pipeline(
+    data_dir: Path, **edge_overrides
+) -> AsyncIterator[tuple[RunningEdge, BusConfig]]:
+    """running_pipeline with one tenant, acme (ACME_KEY), and its tenants file and ledger in
+    `data_dir` (set in the environment while it runs)."""
+    path = data_dir / "tenants.toml"
+    tenants.add_key("acme", path=path, api_key=ACME_KEY)
+    env = {
+        settings.TENANTS.name: str(path),
+        settings.LEDGER_DB.name: str(data_dir / "ledger.duckdb"),
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        async with running_pipeline(data_dir, KeyRing(path, (MODEL,)), **edge_overrides) as running:
+            yield running
+
+
+__all__ = ["MODEL", "acme_pipeline", "running_pipeline", "start_stages"]

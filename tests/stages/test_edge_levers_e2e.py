@@ -12,12 +12,9 @@ import openai
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from schemas import settings
-from stages.edge.keys import KeyRing
 from stages.edge.openai_routes import _with_ready
-from stages.tenancy import tenants
 from tests.stages.edge_harness import ACME_KEY, MODEL
-from tests.stages.pipeline_harness import running_pipeline
+from tests.stages.pipeline_harness import acme_pipeline
 
 pytestmark = pytest.mark.anyio
 ASK = [{"role": "user", "content": "Name three rivers."}]
@@ -31,15 +28,8 @@ def anyio_backend():
 @pytest.fixture(scope="module")
 async def pipeline(tmp_path_factory):
     data = tmp_path_factory.mktemp("levers")
-    path = data / "tenants.toml"
-    tenants.add_key("acme", path=path, api_key=ACME_KEY)
-    env = {settings.TENANTS.name: str(path), settings.LEDGER_DB.name: str(data / "ledger.duckdb")}
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in env.items():
-            patch.setenv(name, value)
-        keys = KeyRing(path, (MODEL,))
-        async with running_pipeline(data, keys, http="h11", batch_sse=True) as running:
-            yield running
+    async with acme_pipeline(data, http="h11", batch_sse=True) as running:
+        yield running
 
 
 async def test_ready_chunks_leave_as_one_write_in_order():

@@ -11,11 +11,8 @@ import httpx
 import openai
 import pytest
 
-from schemas import settings
-from stages.edge.keys import KeyRing
-from stages.tenancy import tenants
 from tests.stages.edge_harness import ACME_KEY, MODEL
-from tests.stages.pipeline_harness import running_pipeline
+from tests.stages.pipeline_harness import acme_pipeline
 
 pytestmark = pytest.mark.anyio
 
@@ -27,15 +24,8 @@ def anyio_backend():
 
 @pytest.fixture(scope="module")
 async def pipeline(tmp_path_factory):
-    data = tmp_path_factory.mktemp("openai")
-    path = data / "tenants.toml"
-    tenants.add_key("acme", path=path, api_key=ACME_KEY)
-    env = {settings.TENANTS.name: str(path), settings.LEDGER_DB.name: str(data / "ledger.duckdb")}
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in env.items():
-            patch.setenv(name, value)
-        async with running_pipeline(data, KeyRing(path, (MODEL,))) as running:
-            yield running
+    async with acme_pipeline(tmp_path_factory.mktemp("openai")) as running:
+        yield running
 
 
 def _client(edge) -> openai.AsyncOpenAI:

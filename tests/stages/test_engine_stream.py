@@ -18,6 +18,16 @@ from tests.stages.test_engine_stage import engine, events_until_end, running_sta
 __all__ = ["engine"]  # the module fixture, shared
 
 
+async def lagging_detokenize(bus) -> None:
+    """detokenize's durable, lagging: nobody pulls it (yet), so its backlog is every event."""
+    await bus.ensure_consumer(
+        ConsumerSpec(
+            durable=subjects.durable_name("detokenize"),
+            filter_subject=(subjects.all_events("tokens"), subjects.all_events("finished")),
+        )
+    )
+
+
 def test_the_interval_rises_to_cover_a_backlog_and_falls_back_by_one():
     s = StreamInterval(None, StreamConfig(max_tokens_per_event=8))
     assert s.update(backlog=4, num_running=4) == 1  # one step's events: keeping up
@@ -41,13 +51,7 @@ async def test_events_coalesce_while_detokenize_lags_and_the_text_is_the_same(
         for n in (5, 6, 7, 8)
     ]
     async with running_stage(bus_config, engine) as bus:
-        # detokenize's durable, lagging: nobody pulls it, so its backlog is every event
-        await bus.ensure_consumer(
-            ConsumerSpec(
-                durable=subjects.durable_name("detokenize"),
-                filter_subject=(subjects.all_events("tokens"), subjects.all_events("finished")),
-            )
-        )
+        await lagging_detokenize(bus)
         sub = await bus.nc.subscribe("llm.ev.*.>")
         for i, prompt in enumerate(prompts):
             await bus.publish(tokenized(f"r{i}", prompt, max_tokens=40, ignore_eos=True))
@@ -129,12 +133,7 @@ async def test_two_detokenize_workers_make_the_text_of_coalesced_events(
     ]
     ids = [f"two{i}" for i in range(len(prompts))]
     async with running_stage(bus_config, engine) as bus:
-        await bus.ensure_consumer(
-            ConsumerSpec(
-                durable=subjects.durable_name("detokenize"),
-                filter_subject=(subjects.all_events("tokens"), subjects.all_events("finished")),
-            )
-        )
+        await lagging_detokenize(bus)
         sub = await bus.nc.subscribe("llm.ev.*.>")
         for rid, prompt in zip(ids, prompts, strict=True):
             await bus.publish(tokenized(rid, prompt, max_tokens=24, ignore_eos=True))
