@@ -78,25 +78,34 @@ async def add(args, config, documents) -> int:
     import anyio
 
     from schemas import subjects
-    from schemas.events import DocumentAdded, DocumentRejected, DocumentSubmitted, decode_event
+    from schemas.events import (
+        DocumentAdded,
+        DocumentRejected,
+        DocumentSubmitted,
+        RequestFailed,
+        decode_event,
+    )
     from stages.runtime.bus import Bus
 
     bus = await Bus.connect(config, name="brigade-docs")
     ids = [ingest_id() for _ in documents]
-    outcomes: dict[str, DocumentAdded | DocumentRejected] = {}
+    outcomes: dict[str, DocumentAdded | DocumentRejected | RequestFailed] = {}
+    sources = {rid: source for rid, (source, _) in zip(ids, documents, strict=True)}
     progress = Progress(len(documents))
     done = anyio.Event()
 
     async def on_msg(msg) -> None:
         event = decode_event(msg.data)
-        if isinstance(event, DocumentAdded | DocumentRejected) and event.request_id in ids:
+        found = isinstance(event, DocumentAdded | DocumentRejected | RequestFailed)
+        if found and event.request_id in sources:
             if event.request_id not in outcomes:
                 outcomes[event.request_id] = event
-                note = (
-                    f"{event.source}: {event.num_chunks} chunks" + ("" if event.added else " (already there)")
-                    if isinstance(event, DocumentAdded)
-                    else f"{event.source}: rejected"
-                )  # fmt: skip
+                if isinstance(event, DocumentAdded):
+                    note = f"{event.source}: {event.num_chunks} chunks" + ("" if event.added else " (already there)")  # fmt: skip
+                elif isinstance(event, DocumentRejected):
+                    note = f"{event.source}: rejected"
+                else:
+                    note = f"{sources[event.request_id]}: failed"
                 progress.step(note)
             if len(outcomes) == len(ids):
                 done.set()
@@ -104,7 +113,7 @@ async def add(args, config, documents) -> int:
     try:
         subs = [
             await bus.nc.subscribe(subjects.all_events(tag), cb=on_msg)
-            for tag in ("doc_added", "doc_rejected")
+            for tag in ("doc_added", "doc_rejected", "failed")  # failed: the ingest stage's error
         ]
         await bus.nc.flush()
         for rid, (source, text) in zip(ids, documents, strict=True):
@@ -134,13 +143,19 @@ async def add(args, config, documents) -> int:
     rejected = [e for e in outcomes.values() if isinstance(e, DocumentRejected)]
     for e in rejected:
         print(f"brigade docs add: {e.source}: {e.message}", file=sys.stderr)
+    failed = [e for e in outcomes.values() if isinstance(e, RequestFailed)]
+    for e in failed:
+        print(
+            f"brigade docs add: {sources[e.request_id]}: failed ({e.code}): {e.message}",
+            file=sys.stderr,
+        )
     added = [e for e in outcomes.values() if isinstance(e, DocumentAdded)]
     print(
         f"{sum(e.added for e in added)} added, {sum(not e.added for e in added)} already there, "
-        f"{len(rejected)} rejected; {sum(e.num_chunks for e in added)} chunks in "
-        f"{args.tenant}/{args.collection}"
+        f"{len(rejected)} rejected, {len(failed)} failed; {sum(e.num_chunks for e in added)} "
+        f"chunks in {args.tenant}/{args.collection}"
     )
-    return 1 if rejected else 0
+    return 1 if rejected or failed else 0
 
 
 def run_add(args) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -115,10 +116,24 @@ def check_name(name: str, field: str = "collection") -> str:
     return name
 
 
+# One lock per database file in this process: DuckDB's connections to one file in one process
+# share its database, whose transactions are optimistic, so two writers that both bump one
+# collection's version ("Conflict on update!") would fail one of them. Writes take turns;
+# another process cannot open the file while this one has it (connect's retry below).
+_WRITE_LOCKS: dict[Path, threading.Lock] = {}
+_WRITE_LOCKS_GUARD = threading.Lock()
+
+
+def _write_lock(path: Path) -> threading.Lock:
+    with _WRITE_LOCKS_GUARD:
+        return _WRITE_LOCKS.setdefault(path.resolve(), threading.Lock())
+
+
 class Store:
     def __init__(self, path: Path, *, lock_timeout_s: float = 10.0) -> None:
         self.path = Path(path)
         self.lock_timeout_s = lock_timeout_s
+        self._write = _write_lock(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.connect() as con:
             con.execute(SCHEMA)
@@ -155,7 +170,7 @@ class Store:
     def create_collection(self, tenant: str, name: str) -> tuple[CollectionInfo, bool]:
         """The collection, and whether it was created now (an existing one is returned as is)."""
         check_name(name)
-        with self.connect() as con:
+        with self._write, self.connect() as con:
             found = self._collection(con, tenant, name)
             if found is not None:
                 return found, False
@@ -182,7 +197,7 @@ class Store:
             return self._require(con, tenant, name)
 
     def delete_collection(self, tenant: str, name: str) -> None:
-        with self.connect() as con:
+        with self._write, self.connect() as con:
             self._require(con, tenant, name)
             con.execute("BEGIN")
             for table in ("chunks", "documents"):
@@ -221,7 +236,7 @@ class Store:
         """The document, and whether it was added now (the same content again is a no-op)."""
         assert vectors.shape == (len(chunks), EMBEDDING_DIM), vectors.shape
         doc_id = document_id(tenant, collection, digest)
-        with self.connect() as con:
+        with self._write, self.connect() as con:
             self._require(con, tenant, collection)
             found = self._document(con, tenant, collection, doc_id)
             if found is not None:
@@ -276,7 +291,7 @@ class Store:
         return [DocumentInfo(**dict(zip(_DOC_FIELDS, r, strict=True))) for r in rows]
 
     def delete_document(self, tenant: str, collection: str, doc_id: str) -> bool:
-        with self.connect() as con:
+        with self._write, self.connect() as con:
             self._require(con, tenant, collection)
             if self._document(con, tenant, collection, doc_id) is None:
                 return False

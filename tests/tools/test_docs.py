@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from schemas import subjects
+from schemas.events import RequestFailed, decode_event
 from stages.retrieval.store import Store
+from stages.runtime.bus import Bus
 from tools import docs
 from tools.cli import main
 
@@ -38,3 +43,30 @@ def test_list_shows_only_the_tenants_collections(tmp_path: Path, monkeypatch, ca
     assert main(["docs", "list", "other"]) == 0 and capsys.readouterr().out == ""
     assert main(["docs", "list", "other", "notes"]) == 1
     assert "no collection named 'notes'" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_a_document_the_ingest_stage_fails_is_reported_at_once(bus_config, capsys) -> None:
+    """A `failed` event for a submitted document (ingest's handler raised) ends the wait for it:
+    `docs add` names the document and the error and exits 1, not after its --timeout."""
+    bus = await Bus.connect(bus_config)
+    await bus.ensure_streams()
+
+    async def fail_it(msg) -> None:
+        submitted = decode_event(msg.data)
+        await bus.publish(
+            RequestFailed(request_id=submitted.request_id, tenant=submitted.tenant,
+                          stage="ingest", code="internal", message="the store said no")
+        )  # fmt: skip
+
+    sub = await bus.nc.subscribe(subjects.all_events("doc_submitted"), cb=fail_it)
+    args = SimpleNamespace(tenant="acme", collection="c", timeout=60.0)
+    started = time.monotonic()
+    try:
+        assert await docs.add(args, bus_config, [("notes.md", "some text")]) == 1
+    finally:
+        await sub.unsubscribe()
+        await bus.close()
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err
+    assert "notes.md: failed (internal): the store said no" in err
