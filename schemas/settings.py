@@ -224,7 +224,8 @@ LEDGER_DB = declare(Setting[Path | None](
 API_KEY = declare(Setting[str | None](
     name="BRIGADE_API_KEY", kind="str", default=None,
     default_text="the key `brigade up` saved, else a new one",
-    help="the dev tenant's API key for `brigade up`, `ask`, `replay --rerun` and `bench load`",
+    help="the dev tenant's API key for `brigade up`, `ask`, `replay --rerun`, `bench load` and "
+    "`bench serve --url`",
     readers=("up", "ask", "log", "bench"), secret=True,
 ))  # fmt: skip
 

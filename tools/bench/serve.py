@@ -93,7 +93,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("BRIGADE_API_KEY"),
+        default=settings.API_KEY.get(),
         help="the deployment's API key (default: $BRIGADE_API_KEY)",
     )
     p.add_argument(
