@@ -9,6 +9,7 @@ which differ only in how they say where a request is (reading headers, its body,
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import uuid
@@ -71,7 +72,7 @@ def bounded_protocol(limits: HttpLimits, http: str = "httptools") -> type[asynci
     return type(f"Bounded{base.__name__}", (base,), {"limits": limits})
 
 
-class _Bounds:
+class _Bounds(abc.ABC):
     """The bounds, mixed in before a uvicorn protocol class. The protocol says where the
     current request is: `_reading_headers()` (before its headers end) and `_reading_body()`."""
 
@@ -80,11 +81,13 @@ class _Bounds:
     loop: asyncio.AbstractEventLoop
     cycle: Any
 
+    @abc.abstractmethod
     def _reading_headers(self) -> bool:
-        raise NotImplementedError
+        """The current request's headers have not ended yet (or no request has begun)."""
 
+    @abc.abstractmethod
     def _reading_body(self) -> bool:
-        raise NotImplementedError
+        """The current request's headers have ended and its body has not."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
