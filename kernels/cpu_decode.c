@@ -45,9 +45,6 @@ static inline int omp_threads(void) { return omp_get_num_threads(); }
 static inline int omp_threads(void) { return 1; }
 #endif
 
-#ifndef STEAL
-#define STEAL 1 /* the GEMVs' tiles with stealing (cpu_quant_dot.h); 0: static runs */
-#endif
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 
@@ -259,7 +256,8 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     for (int i = 0; i < T; ++i) max_len = ctx_len[i] > max_len ? ctx_len[i] : max_len;
     int failed = 0;
     (void)num_threads;
-    Steal *steal = STEAL ? aligned_alloc(64, sizeof(Steal)) : NULL; /* the GEMVs' counters */
+    /* the GEMVs' counters for their tiles' stealing (cpu_quant_dot.h); NULL: static runs */
+    Steal *steal = aligned_alloc(64, sizeof(Steal));
     if (steal != NULL) memset(steal, 0, sizeof(Steal));
 #pragma omp parallel num_threads(num_threads)
     {
