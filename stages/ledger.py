@@ -100,6 +100,13 @@ def row_for(event: Terminal) -> Row:
     )
 
 
+def _transient(err: duckdb.IOException) -> bool:
+    """Another process holds the file's lock, or is creating the file (it exists, its header
+    is not written yet): both pass within moments."""
+    text = str(err).lower()
+    return "lock" in text or "not a valid duckdb database file" in text
+
+
 def connect(path: Path, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:
     """Open the ledger, waiting while another process holds DuckDB's file lock."""
     deadline = time.monotonic() + LOCK_TIMEOUT_S
@@ -108,7 +115,7 @@ def connect(path: Path, *, read_only: bool = False) -> duckdb.DuckDBPyConnection
         try:
             return duckdb.connect(str(path), read_only=read_only)
         except duckdb.IOException as err:
-            if "lock" not in str(err).lower() or time.monotonic() > deadline:
+            if not _transient(err) or time.monotonic() > deadline:
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 0.1)

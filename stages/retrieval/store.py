@@ -116,6 +116,13 @@ def check_name(name: str, field: str = "collection") -> str:
     return name
 
 
+def _transient(err: duckdb.IOException) -> bool:
+    """Another process holds the file's lock, or is creating the file (it exists, its header
+    is not written yet): both pass within moments."""
+    text = str(err).lower()
+    return "lock" in text or "not a valid duckdb database file" in text
+
+
 # One lock per database file in this process: DuckDB's connections to one file in one process
 # share its database, whose transactions are optimistic, so two writers that both bump one
 # collection's version ("Conflict on update!") would fail one of them. Writes take turns;
@@ -146,7 +153,7 @@ class Store:
                 con = duckdb.connect(str(self.path))
                 break
             except duckdb.IOException as err:
-                if "lock" not in str(err).lower() or time.monotonic() > deadline:
+                if not _transient(err) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.005)
         try:
