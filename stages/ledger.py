@@ -31,6 +31,7 @@ from schemas.events import (
     decoder_for,
 )
 from stages.runtime import natsd
+from stages.runtime.failures import duckdb_file_busy
 from stages.runtime.spec import StageContext, StageSpec
 from stages.tenancy import idempotency, ratelimit
 
@@ -100,13 +101,6 @@ def row_for(event: Terminal) -> Row:
     )
 
 
-def _transient(err: duckdb.IOException) -> bool:
-    """Another process holds the file's lock, or is creating the file (it exists, its header
-    is not written yet): both pass within moments."""
-    text = str(err).lower()
-    return "lock" in text or "not a valid duckdb database file" in text
-
-
 def connect(path: Path, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:
     """Open the ledger, waiting while another process holds DuckDB's file lock."""
     deadline = time.monotonic() + LOCK_TIMEOUT_S
@@ -115,7 +109,7 @@ def connect(path: Path, *, read_only: bool = False) -> duckdb.DuckDBPyConnection
         try:
             return duckdb.connect(str(path), read_only=read_only)
         except duckdb.IOException as err:
-            if not _transient(err) or time.monotonic() > deadline:
+            if not duckdb_file_busy(err) or time.monotonic() > deadline:
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 0.1)

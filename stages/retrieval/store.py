@@ -23,7 +23,7 @@ import numpy as np
 
 from schemas import settings
 from stages.runtime import natsd
-from stages.runtime.failures import StageError
+from stages.runtime.failures import StageError, duckdb_file_busy
 
 EMBEDDING_DIM = 384  # engine/embedding.py's all-MiniLM-L6-v2; the store does not import torch
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # whole name (fullmatch)
@@ -116,13 +116,6 @@ def check_name(name: str, field: str = "collection") -> str:
     return name
 
 
-def _transient(err: duckdb.IOException) -> bool:
-    """Another process holds the file's lock, or is creating the file (it exists, its header
-    is not written yet): both pass within moments."""
-    text = str(err).lower()
-    return "lock" in text or "not a valid duckdb database file" in text
-
-
 # One lock per database file in this process: DuckDB's connections to one file in one process
 # share its database, whose transactions are optimistic, so two writers that both bump one
 # collection's version ("Conflict on update!") would fail one of them. Writes take turns;
@@ -153,7 +146,7 @@ class Store:
                 con = duckdb.connect(str(self.path))
                 break
             except duckdb.IOException as err:
-                if not _transient(err) or time.monotonic() > deadline:
+                if not duckdb_file_busy(err) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.005)
         try:

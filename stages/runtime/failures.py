@@ -79,6 +79,14 @@ def new_request_id() -> str:
 _NOT_TRANSIENT = (nats.js.errors.NotFoundError, nats.js.errors.BadRequestError)
 
 
+def duckdb_file_busy(exc: BaseException) -> bool:
+    """Whether a DuckDB IOException opening a file says another process has it for a moment:
+    it holds the file's lock, or is creating the file (it exists, its header not yet
+    written). The ledger and the retrieval store wait these out."""
+    text = str(exc).lower()
+    return "lock" in text or "not a valid duckdb database file" in text
+
+
 def bus_unavailable(exc: BaseException) -> bool:
     """Whether `exc` says the bus is away for now: no responders, a timeout, a closed or
     reconnecting connection, JetStream unavailable during an election. Retry it after a pause."""

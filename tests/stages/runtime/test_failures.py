@@ -21,3 +21,13 @@ def test_read_envelope_keeps_only_valid_ids() -> None:
     assert read_envelope(b'{"request_id": 7}') == (None, None)
     assert read_envelope(b"\xff garbage") == (None, None)
     assert read_envelope(b"[1, 2]") == (None, None)
+
+
+def test_a_duckdb_file_another_process_has_is_busy_and_other_errors_are_not():
+    from stages.runtime.failures import duckdb_file_busy
+
+    assert duckdb_file_busy(OSError('IO Error: Could not set lock on file "x.duckdb"'))
+    assert duckdb_file_busy(
+        OSError('IO Error: The file "x.duckdb" exists, but it is not a valid DuckDB database file!')
+    )
+    assert not duckdb_file_busy(OSError("IO Error: Permission denied"))
