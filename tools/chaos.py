@@ -434,24 +434,34 @@ async def _accepted_ids(config) -> set[str] | None:
     return {subject.split(".")[2] for subject in info.state.subjects or {}}
 
 
+async def _replayed(bus, rid: str) -> list:
+    """The run's events as the log holds them now (asking again while a node is down)."""
+    import anyio
+
+    from stages.runtime.failures import bus_unavailable
+
+    with anyio.move_on_after(60.0):
+        while True:
+            try:
+                return await bus.replay(rid)
+            except Exception as err:  # noqa: BLE001 - a node still down: its election, ask again
+                if not bus_unavailable(err):
+                    raise
+                await anyio.sleep(0.5)
+    return []
+
+
 async def _settled(bus, rid: str, refused: bool = False) -> list:
     """The run's events once it has an end and its bill (or 60 s); `refused`: its client got an
     HTTP error, and a run with no event at all is settled too."""
     import anyio
 
     from schemas.events import RequestFailed, RunBilled, RunCancelled, RunCompleted
-    from stages.runtime.failures import bus_unavailable
 
     events: list = []
     with anyio.move_on_after(60.0):
         while True:
-            try:
-                events = await bus.replay(rid)
-            except Exception as err:  # noqa: BLE001 - a node still down: its election, ask again
-                if not bus_unavailable(err):
-                    raise
-                await anyio.sleep(0.5)
-                continue
+            events = await _replayed(bus, rid)
             ends = [e for e in events if isinstance(e, RunCompleted | RunCancelled | RequestFailed)]
             if ends and any(isinstance(e, RunBilled) for e in events) or (refused and not events):
                 return events
@@ -506,9 +516,10 @@ async def audit(fault: str, config, outcomes: list[Outcome], baseline: dict[int,
             row.told_failed_but_billed += int(told_failed and any(s == "completed"
                                                                    for _, s in billed))  # fmt: skip
         for rid in sorted((unseen or set()) - {o.rid for o in outcomes}):
+            # its `accepted` subject holds a message: a run's decodes at once, a poison's never
+            if not any(isinstance(e, RequestAccepted) for e in await _replayed(bus, rid)):
+                continue  # a poison on an `accepted` subject, not a run: nothing to wait for
             events = await _settled(bus, rid)
-            if not any(isinstance(e, RequestAccepted) for e in events):
-                continue  # a poison on an `accepted` subject, not a run
             ends = [e for e in events if isinstance(e, RunCompleted | RunCancelled | RequestFailed)]
             row.lost += int(not ends)
             billed = {(e.billing_key, e.status) for e in events if isinstance(e, RunBilled)}

@@ -20,6 +20,7 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
@@ -180,9 +181,13 @@ class Bus:
                 pending.acked.set_exception(nats.errors.ConnectionClosedError())
         if self.nc.is_closed:
             return
-        # nats.py's fetch takes messages without task_done, so draining a pull subscription
-        # would wait for its queue forever: unsubscribe those first (unacked work is redelivered).
-        for sub in self._pulls:
+        # nats.py drains a subscription by waiting until its queue has been read: a pull
+        # subscription's (fetch takes messages without task_done) never is, nor one read with
+        # next_msg whose reader is done (a run's events after its end), so either would hold
+        # the close for drain_timeout. Nobody reads them after close: unsubscribe them first
+        # (unacked work is redelivered). The connection's own table is the only list of them.
+        unread = [s for s in getattr(self.nc, "_subs", {}).values() if _read_by_next_msg(s)]
+        for sub in [*self._pulls, *unread]:
             try:
                 await sub.unsubscribe()
             except Exception:  # noqa: BLE001 - already unsubscribed
@@ -530,6 +535,11 @@ async def publish_submit(
     """Publish one submit on llm.in (see submit_message) and wait for the queue's ack."""
     payload, headers = submit_message(submit, api_key=api_key, reply_to=reply_to)
     return await js.publish(subjects.SUBMIT, payload, headers=headers)
+
+
+def _read_by_next_msg(sub: Subscription) -> bool:
+    """A subscription with neither a callback nor a request's future: its reader calls next_msg."""
+    return getattr(sub, "_cb", None) is None and getattr(sub, "_future", None) is None
 
 
 def _settle(pending: _Unacked, sent: asyncio.Future[api.PubAck]) -> None:

@@ -148,3 +148,27 @@ async def test_a_pipelined_publish_never_answered_fails_at_its_give_up_time(
         assert bus.num_republished == 2
     finally:
         await bus.close()
+
+
+async def test_close_leaves_unread_next_msg_subscriptions_without_waiting_out_the_drain(
+    bus_config: BusConfig,
+) -> None:
+    """A run's events after its end that nobody reads (next_msg's queue) used to hold close()
+    for nats.py's whole drain_timeout (10 s); callback subscriptions still drain, and what was
+    published before close is delivered."""
+    bus = await Bus.connect(bus_config)
+    handled: list[bytes] = []
+
+    async def handle(msg) -> None:
+        handled.append(msg.data)
+
+    unread = await bus.nc.subscribe("t.unread")
+    await bus.nc.subscribe("t.handled", cb=handle)
+    for i in range(3):
+        await bus.nc.publish("t.unread", b"%d" % i)
+        await bus.nc.publish("t.handled", b"%d" % i)
+    assert (await unread.next_msg(timeout=5)).data == b"0"  # the reader is done after one
+    began = time.monotonic()
+    await bus.close()
+    assert time.monotonic() - began < 5.0  # the drain timeout is 10 s
+    assert bus.nc.is_closed and handled == [b"0", b"1", b"2"]
