@@ -2,7 +2,7 @@
  * tokens (decode rows, speculative drafts, short prefill chunks), in one call and one OpenMP
  * region, over weights kept as GGUF Q4_1 / Q8_0 blocks and an fp32 paged KV cache.
  *
- * Per layer, each phase shared by the threads and ended by the region's barrier:
+ * Per layer, each phase's items shared by the threads (exactly once each, see "work items"):
  *   1  h = rms_norm(x) * input_norm                      (rows)
  *   2  qkv = h Wqkv^T                                    (tiles of output features)
  *   3  RoPE on q and k, k and v written to their slots   (token, head) pairs
@@ -32,17 +32,21 @@
  *   positions, slots [T] int64; tables [S, W] int32; seq_idx, ctx_len [T] int32
  *   work     [T, hidden + qkv + H * D + 2 * ffn]
  */
+#define _POSIX_C_SOURCE 200809L
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
+#include <time.h>
 #include "cpu_quant_blocks.h"
 #include "cpu_quant_dot.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 static inline int omp_threads(void) { return omp_get_num_threads(); }
+static inline int omp_thread(void) { return omp_get_thread_num(); }
 #else
 static inline int omp_threads(void) { return 1; }
+static inline int omp_thread(void) { return 0; }
 #endif
 
 #define MAX_HEAD_DIM 256
@@ -68,6 +72,12 @@ static void rope_head(float *v, const float *cos, const float *sin, int D) {
         r[d + half] = v[d + half] * cos[d + half] + v[d] * sin[d + half];
     }
     memcpy(v, r, sizeof(float) * D);
+}
+
+/* out = silu(g) * u, as torch's fp32 silu times up */
+static void silu_mul(const float *g, const float *u, int n, float *out) {
+#pragma omp simd
+    for (int j = 0; j < n; ++j) out[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
 }
 
 /* The weighted sum of V for one head, o = inv * sum_t p[t] v[t], 64 dims at a time held in
@@ -229,9 +239,142 @@ static int indices_in_range(int32_t T, const int64_t *positions, int32_t max_pos
     return 1;
 }
 
+/* ---- the step's work items, each stored exactly once, by whichever thread gets there first ----
+ *
+ * Every phase of every layer is a set of items (rows, (token, head) pairs, GEMV tiles), and every
+ * thread goes through the phases in order. An item is computed into the thread's own buffer and
+ * stored only by the thread that claims its store first (state 0 -> 2, stored, -> 3), so each
+ * store happens once and a late thread's copy is dropped. A thread that has taken every item of a
+ * phase and has waited `redo_after_ns` for the rest computes those itself: the items a preempted
+ * thread holds are redone instead of waited for. The step's threads run below the stages (two
+ * cores shared with them), so a stage that wakes preempts one of them; with a barrier after each
+ * phase the other stood still until the stage was done, and the stage's time was lost on both
+ * cores. Now only the region's end waits for every thread, once a step.
+ *
+ * Items are taken as the GEMV's tiles were: thread k's contiguous run of each phase first (the
+ * prefetchers follow one thread's blocks), then what is left of the others' runs. An item's
+ * values do not depend on who computes it, so the result is the same bit for bit whatever the
+ * threads do (tests/kernels/test_cpu_decode.py: any thread count, every item raced for). */
+#define PHASES_PER_LAYER 9
+#define DECODE_MAX_ROWS 32 /* a step's tokens (kernels/cpu_decode.py MAX_ROWS) */
+typedef struct {
+    int nt;          /* the region's threads */
+    int64_t stride;  /* next's entries a phase: nt rounded up to a cache line */
+    int64_t *next;   /* [phase][stride]: items taken of each thread's run */
+    int64_t *done;   /* [phase][8]: items stored, a cache line each */
+    int64_t *first;  /* [phase]: its first item's index in state */
+    int64_t *count;  /* [phase]: its items */
+    uint8_t *state;  /* [every item]: 0 not stored, 2 being stored, 3 stored */
+} Items;
+
+static inline long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* the next item of phase p for thread me (its own run first), or -1 when all are taken */
+static inline int64_t take(Items *it, int64_t p, int me) {
+    const int nt = it->nt;
+    const int64_t n = it->count[p];
+    for (int k = 0; k < nt; ++k) {
+        const int owner = (me + k) % nt;
+        const int64_t start = n * owner / nt, end = n * (owner + 1) / nt;
+        int64_t *next = &it->next[p * it->stride + owner];
+        if (start + __atomic_load_n(next, __ATOMIC_RELAXED) >= end) continue;
+        const int64_t t = start + __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (t < end) return t;
+    }
+    return -1;
+}
+
+/* 1: this thread stores item t of phase p, then calls stored(); 0: another thread does */
+static inline int claim_store(Items *it, int64_t p, int64_t t) {
+    uint8_t *s = &it->state[it->first[p] + t];
+    uint8_t cur = __atomic_load_n(s, __ATOMIC_ACQUIRE);
+    while (cur < 2)
+        if (__atomic_compare_exchange_n(s, &cur, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return 1;
+    return 0;
+}
+
+static inline void stored(Items *it, int64_t p, int64_t t) {
+    __atomic_store_n(&it->state[it->first[p] + t], 3, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&it->done[p * 8], 1, __ATOMIC_ACQ_REL);
+}
+
+static inline int phase_done(Items *it, int64_t p) {
+    return __atomic_load_n(&it->done[p * 8], __ATOMIC_ACQUIRE) >= it->count[p];
+}
+
+static inline int item_open(Items *it, int64_t p, int64_t t) {
+    return __atomic_load_n(&it->state[it->first[p] + t], __ATOMIC_ACQUIRE) < 2;
+}
+
+/* Phase p on this thread: take items and do them (DO(t) computes item t and stores it if it
+ * claims the store), then wait for the phase's last stores, redoing what is still open after
+ * redo_after_ns. Uses `items`, `me` and `redo_after_ns` of the region. */
+#define RUN_PHASE(p, DO)                                                          \
+    do {                                                                          \
+        for (int64_t t_; (t_ = take(&items, (p), me)) >= 0;) DO(t_);              \
+        long since_ = 0;                                                          \
+        for (int spins_ = 0; !phase_done(&items, (p));) {                         \
+            cpu_relax();                                                          \
+            if (++spins_ % 32) continue;                                          \
+            const long now_ = now_ns();                                           \
+            if (since_ == 0) since_ = now_;                                       \
+            if (now_ - since_ < redo_after_ns) continue;                          \
+            for (int64_t t_ = 0; t_ < items.count[(p)]; ++t_)                     \
+                if (item_open(&items, (p), t_)) DO(t_);                           \
+            since_ = now_ns();                                                    \
+        }                                                                         \
+    } while (0)
+
+/* Tile t of y = x W^T (ADD: y += x W^T) over T <= DECODE_MAX_ROWS rows, as an item of phase p:
+ * every row group's sums (gemv_tiles' own), then the store if this thread claims it. */
+static inline __attribute__((always_inline)) void gemv_item(
+    const int Q8, const int ADD, const uint8_t *w, int64_t out_features, int64_t in_features,
+    const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride, Items *it,
+    int64_t p, int64_t t) {
+    float tile[DECODE_MAX_ROWS][TILE];
+    int n = 0;
+    for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
+        const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;
+        n = tile_sums(Q8, w, out_features, in_features, x + (int64_t)g0 * x_stride, x_stride,
+                      group, t, tile + g0);
+    }
+    if (!claim_store(it, p, t)) return;
+    tile_store(ADD, out_features, tile, rows, n, y, y_stride, t);
+    stored(it, p, t);
+}
+
+static void gemv_item_kind(int q8, int add, const uint8_t *w, int64_t out_features,
+                           int64_t in_features, const float *x, int64_t x_stride, int rows,
+                           float *y, int64_t y_stride, Items *it, int64_t p, int64_t t) {
+    if (q8 && add) gemv_item(1, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t);
+    else if (q8) gemv_item(1, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t);
+    else if (add) gemv_item(0, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t);
+    else gemv_item(0, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t);
+}
+
+/* a `count`-float item computed into `local`, stored to `dst` if this thread claims it */
+static inline void store_item(Items *it, int64_t p, int64_t t, const float *local, float *dst,
+                              int64_t count) {
+    if (!claim_store(it, p, t)) return;
+    memcpy(dst, local, sizeof(float) * (size_t)count);
+    stored(it, p, t);
+}
+
 /* 0 on success; -1 a shape it does not take (head_dim > 256 or odd, more than 16 query heads a KV
- * head, a width not a multiple of 32); -2 no memory for the scores; -3 an index out of range
- * (nothing written). */
+ * head, a width not a multiple of 32, more than DECODE_MAX_ROWS tokens); -2 no memory for the
+ * scores or the items' bookkeeping; -3 an index out of range (nothing written). `redo_after_ns`:
+ * how long a thread that has taken a phase's last item waits before it redoes the open ones. */
 int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t *kinds,
                        int32_t hidden, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
                        int32_t ffn, float eps, float *x, int32_t T, const float *cos,
@@ -239,10 +382,10 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
                        const int64_t *slots, int64_t num_blocks, int32_t block_size,
                        const int32_t *tables, int32_t num_seqs, int64_t table_stride,
                        const int32_t *seq_idx, const int32_t *ctx_len, float scale, float *work,
-                       int32_t num_threads) {
+                       int32_t num_threads, int64_t redo_after_ns) {
     const int D = head_dim, H = num_heads, KVH = num_kv_heads, G = H / KVH;
     if (D > MAX_HEAD_DIM || D % 2 || G > MAX_GROUP || G * KVH != H || hidden % QK ||
-        (H * D) % QK || ffn % QK || T < 1)
+        (H * D) % QK || ffn % QK || T < 1 || T > DECODE_MAX_ROWS)
         return -1;
     if (!indices_in_range(T, positions, max_pos, slots, num_blocks, block_size, tables, num_seqs,
                           table_stride, seq_idx, ctx_len))
@@ -255,16 +398,59 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     int max_len = 1;
     for (int i = 0; i < T; ++i) max_len = ctx_len[i] > max_len ? ctx_len[i] : max_len;
     int failed = 0;
-    (void)num_threads;
-    /* the GEMVs' counters for their tiles' stealing (cpu_quant_dot.h); NULL: static runs */
-    Steal *steal = aligned_alloc(64, sizeof(Steal));
-    if (steal != NULL) memset(steal, 0, sizeof(Steal));
+    int nt_max = num_threads;
+#ifdef _OPENMP
+    if (nt_max < 1) nt_max = omp_get_max_threads();
+#endif
+    if (nt_max < 1) nt_max = 1;
+    /* the items' bookkeeping (for up to nt_max threads) in one allocation, and their states */
+    const int64_t num_phases = (int64_t)num_layers * PHASES_PER_LAYER;
+    const int64_t stride = (nt_max + 7) / 8 * 8, n_next = num_phases * stride;
+    const int64_t n_done = num_phases * 8;
+    const size_t book_bytes = sizeof(int64_t) * (size_t)(n_next + n_done + 2 * num_phases);
+    int64_t *book = aligned_alloc(64, (book_bytes + 63) / 64 * 64);
+    if (book == NULL) return -2;
+    Items items = {.nt = 1, .stride = stride, .next = book, .done = book + n_next,
+                   .first = book + n_next + n_done, .count = book + n_next + n_done + num_phases,
+                   .state = NULL};
 #pragma omp parallel num_threads(num_threads)
     {
-        int64_t calls = 0; /* this thread's GEMV calls: the same count on every thread */
-        /* per thread: an item's scores [G, len], then its keys' offsets [len] */
-        float *scores = (float *)malloc((sizeof(float) * G + sizeof(int64_t)) * (size_t)max_len + 8);
+        const int me = omp_thread(), nt = omp_threads();
+        /* (token, KV head) items share each key across the GQA group; with too few of them to
+         * keep the threads even, (token, query head) items read each key once per head */
+        const int per_head = T * KVH < 4 * nt;
+        const int heads = per_head ? H : KVH, group = per_head ? 1 : G;
+#pragma omp single
+        {
+            const int64_t per_layer[PHASES_PER_LAYER] = {
+                T,                                 /* input norm: rows */
+                num_tiles_of(qkv_size),            /* q, k, v */
+                (int64_t)T * (H + KVH),            /* RoPE; K and V to their slots */
+                (int64_t)T * heads,                /* attention */
+                num_tiles_of(hidden),              /* o, added to x */
+                T,                                 /* post-attention norm */
+                num_tiles_of(2 * (int64_t)ffn),    /* gate and up */
+                T,                                 /* silu(gate) * up */
+                num_tiles_of(hidden),              /* down, added to x */
+            };
+            memset(book, 0, book_bytes);
+            int64_t total = 0;
+            for (int64_t q = 0; q < num_phases; ++q) {
+                items.first[q] = total;
+                items.count[q] = per_layer[q % PHASES_PER_LAYER];
+                total += items.count[q];
+            }
+            items.nt = nt;
+            items.state = calloc((size_t)total, 1);
+            if (items.state == NULL) failed = 1;
+        } /* (single's barrier: every thread sees the bookkeeping) */
+        /* per thread: an item's scores [G, len], its keys' offsets [len], a row of x or act */
+        const int row_len = ffn > hidden ? ffn : hidden;
+        float *scores = (float *)malloc((sizeof(float) * G + sizeof(int64_t)) * (size_t)max_len +
+                                        8 + sizeof(float) * (size_t)row_len);
         int64_t *offs = (int64_t *)(scores + (size_t)max_len * G + (max_len * G) % 2);
+        float *row = (float *)(offs + max_len);
+        float local[MAX_GROUP * MAX_HEAD_DIM]; /* a head's or a GQA group's values */
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -277,54 +463,72 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
             const uint8_t *w_gu = (const uint8_t *)p[2], *w_down = (const uint8_t *)p[3];
             const float *in_norm = (const float *)p[4], *post_norm = (const float *)p[5];
             float *k_cache = (float *)p[6], *v_cache = (float *)p[7];
-#pragma omp for schedule(static)
-            for (int r = 0; r < T; ++r)
-                rms_norm_row(x + (int64_t)r * hidden, in_norm, hidden, eps, h + (int64_t)r * hidden);
-            gemv_tiles(kind[0], 0, w_qkv, qkv_size, hidden, h, hidden, T, qkv, qkv_size, steal,
-                       calls++);
-#pragma omp for schedule(static)
-            for (int item = 0; item < T * (H + KVH); ++item) { /* RoPE; K and V to their slots */
-                const int r = item / (H + KVH), hd = item % (H + KVH);
-                float *row = qkv + (int64_t)r * qkv_size;
-                const float *c = cos + positions[r] * D, *s = sin + positions[r] * D;
-                rope_head(row + hd * D, c, s, D);
-                if (hd >= H) {
-                    const int kh = hd - H;
-                    const int64_t slot = slots[r] * kv_size + kh * D;
-                    memcpy(k_cache + slot, row + hd * D, sizeof(float) * D);
-                    memcpy(v_cache + slot, row + q_size + kv_size + kh * D, sizeof(float) * D);
-                }
-            }
-            /* (token, KV head) items share each key across the GQA group; with too few of them
-             * to keep the threads even, (token, query head) items read each key once per head */
-            const int per_head = T * KVH < 4 * omp_threads();
-            const int heads = per_head ? H : KVH, group = per_head ? 1 : G;
-#pragma omp for schedule(dynamic, 1)
-            for (int item = 0; item < T * heads; ++item) {
-                const int r = item / heads, hq = (item % heads) * group, kh = hq / G;
-                const int32_t *table = tables + (int64_t)seq_idx[r] * table_stride;
-                attend(qkv + (int64_t)r * qkv_size + hq * D, k_cache + kh * D, v_cache + kh * D,
-                       table, ctx_len[r], block_size, kv_size, D, group, scale, scores, offs,
-                       att + (int64_t)r * q_size + hq * D);
-            }
-            gemv_tiles(kind[1], 1, w_o, hidden, q_size, att, q_size, T, x, hidden, steal, calls++);
-#pragma omp for schedule(static)
-            for (int r = 0; r < T; ++r)
-                rms_norm_row(x + (int64_t)r * hidden, post_norm, hidden, eps,
-                             h + (int64_t)r * hidden);
-            gemv_tiles(kind[2], 0, w_gu, 2 * (int64_t)ffn, hidden, h, hidden, T, act, 2 * ffn,
-                       steal, calls++);
-#pragma omp for schedule(static)
-            for (int r = 0; r < T; ++r) { /* silu(gate) * up, into gate's half of the row */
-                float *a = act + (int64_t)r * 2 * ffn;
-#pragma omp simd
-                for (int j = 0; j < ffn; ++j) a[j] = a[j] / (1.0f + expf(-a[j])) * a[ffn + j];
-            }
-            gemv_tiles(kind[3], 1, w_down, hidden, ffn, act, 2 * ffn, T, x, hidden, steal,
-                       calls++);
+            const int64_t ph = (int64_t)l * PHASES_PER_LAYER;
+#define IN_NORM(r)                                                                \
+    do {                                                                          \
+        rms_norm_row(x + (r) * hidden, in_norm, hidden, eps, row);                \
+        store_item(&items, ph, (r), row, h + (r) * hidden, hidden);               \
+    } while (0)
+            RUN_PHASE(ph, IN_NORM);
+#define QKV(t) gemv_item_kind(kind[0], 0, w_qkv, qkv_size, hidden, h, hidden, T, qkv, qkv_size, \
+                              &items, ph + 1, (t))
+            RUN_PHASE(ph + 1, QKV);
+#define ROPE(item)                                                                \
+    do {                                                                          \
+        const int r = (int)((item) / (H + KVH)), hd = (int)((item) % (H + KVH));  \
+        float *qkv_row = qkv + (int64_t)r * qkv_size, *head = qkv_row + hd * D;   \
+        memcpy(local, head, sizeof(float) * D);                                   \
+        rope_head(local, cos + positions[r] * D, sin + positions[r] * D, D);      \
+        if (claim_store(&items, ph + 2, (item))) {                                \
+            memcpy(head, local, sizeof(float) * D);                               \
+            if (hd >= H) {                                                        \
+                const int kh = hd - H;                                            \
+                const int64_t slot = slots[r] * kv_size + kh * D;                 \
+                memcpy(k_cache + slot, local, sizeof(float) * D);                 \
+                memcpy(v_cache + slot, qkv_row + q_size + kv_size + kh * D,       \
+                       sizeof(float) * D);                                        \
+            }                                                                     \
+            stored(&items, ph + 2, (item));                                       \
+        }                                                                         \
+    } while (0)
+            RUN_PHASE(ph + 2, ROPE);
+#define ATTEND(item)                                                              \
+    do {                                                                          \
+        const int r = (int)((item) / heads), hq = (int)((item) % heads) * group;  \
+        const int kh = hq / G;                                                    \
+        attend(qkv + (int64_t)r * qkv_size + hq * D, k_cache + kh * D, v_cache + kh * D, \
+               tables + (int64_t)seq_idx[r] * table_stride, ctx_len[r], block_size, kv_size, \
+               D, group, scale, scores, offs, local);                             \
+        store_item(&items, ph + 3, (item), local, att + (int64_t)r * q_size + hq * D, \
+                   (int64_t)group * D);                                           \
+    } while (0)
+            RUN_PHASE(ph + 3, ATTEND);
+#define O_PROJ(t) gemv_item_kind(kind[1], 1, w_o, hidden, q_size, att, q_size, T, x, hidden, \
+                                 &items, ph + 4, (t))
+            RUN_PHASE(ph + 4, O_PROJ);
+#define POST_NORM(r)                                                              \
+    do {                                                                          \
+        rms_norm_row(x + (r) * hidden, post_norm, hidden, eps, row);              \
+        store_item(&items, ph + 5, (r), row, h + (r) * hidden, hidden);           \
+    } while (0)
+            RUN_PHASE(ph + 5, POST_NORM);
+#define GATE_UP(t) gemv_item_kind(kind[2], 0, w_gu, 2 * (int64_t)ffn, hidden, h, hidden, T, act, \
+                                  2 * ffn, &items, ph + 6, (t))
+            RUN_PHASE(ph + 6, GATE_UP);
+#define SILU(r)                                                                   \
+    do {                                                                          \
+        float *a = act + (r) * 2 * ffn; /* into gate's half of the row */         \
+        silu_mul(a, a + ffn, ffn, row);                                           \
+        store_item(&items, ph + 7, (r), row, a, ffn);                             \
+    } while (0)
+            RUN_PHASE(ph + 7, SILU);
+#define DOWN(t) gemv_item_kind(kind[3], 1, w_down, hidden, ffn, act, 2 * ffn, T, x, hidden, \
+                               &items, ph + 8, (t))
+            RUN_PHASE(ph + 8, DOWN);
         }
         free(scores);
     }
-    free(steal);
+    free(items.state);
+    free(book);
     return failed ? -2 : 0;
 }

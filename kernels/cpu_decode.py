@@ -29,7 +29,11 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 16
 
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [_i32, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _f32, _ptr, _i32, _ptr, _ptr, _i32]
-_ARGTYPES += [_ptr, _ptr, _i64, _i32, _ptr, _i32, _i64, _ptr, _ptr, _f32, _ptr, _i32]
+_ARGTYPES += [_ptr, _ptr, _i64, _i32, _ptr, _i32, _i64, _ptr, _ptr, _f32, _ptr, _i32, _i64]
+# How long a thread that has taken a phase's last item waits for the others' before it redoes
+# what they still hold (a thread a stage preempted): a phase at 8 rows takes ~45 us, the threads'
+# natural skew a few. The engine alone and beside the pipeline: docs/benchmarks.md.
+REDO_AFTER_NS = 30_000
 
 
 class DecodeOptions(cbuild.KernelOptions):
@@ -174,8 +178,10 @@ class DecodeForward:
         seq_idx: Tensor,  # [T] int32: each token's row of block_tables
         ctx_len: Tensor,  # [T] int32: keys it attends, its position + 1
         lib: ctypes.CDLL | None = None,
+        redo_after_ns: int | None = None,  # default REDO_AFTER_NS; 0: every waiting thread races
     ) -> Tensor:
         lib = lib or load()
+        redo_after_ns = REDO_AFTER_NS if redo_after_ns is None else redo_after_ns
         if lib is None:
             raise RuntimeError("the fused CPU decode forward is not available (see the log)")
         t, s = x.shape[0], self.shape
@@ -227,9 +233,10 @@ class DecodeForward:
             self.scale,
             self.work.data_ptr(),
             torch.get_num_threads(),
+            redo_after_ns,
         )
         if status == -2:
-            raise MemoryError("the fused CPU decode forward could not allocate its scores")
+            raise MemoryError("the fused CPU decode forward could not allocate its scratch")
         if status == -3:
             raise IndexError(
                 "a position, slot, sequence or block id of the step is out of range "

@@ -1,8 +1,8 @@
 /* The block GEMV's inner loops, shared by the GEMV (cpu_quant_gemv.c) and the fused decode
  * forward (cpu_decode.c): one output feature's dot products against up to MAX_ROWS rows of x
- * (dot_row), and a whole GEMV's tiles of output features shared by the threads of an OpenMP
- * region that is already running (gemv_tiles: an orphaned `omp for`, so the fused forward runs
- * every GEMV of a step inside one region). Include "cpu_quant_blocks.h" first.
+ * (dot_row), a tile of output features' sums and their store (tile_sums, tile_store: the fused
+ * forward's items), and a whole GEMV's tiles shared by the threads of an OpenMP region that is
+ * already running (gemv_tiles: an orphaned `omp for`). Include "cpu_quant_blocks.h" first.
  *
  * Each y value is one thread's sum, so a row's result does not depend on the thread count or on
  * the other rows. Rows go in groups of MAX_ROWS through each tile of output features (its blocks
@@ -12,9 +12,6 @@
 #ifndef BRIGADE_CPU_QUANT_DOT_H
 #define BRIGADE_CPU_QUANT_DOT_H
 #define MAX_ROWS 8
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #if ISA_LEVEL == 2
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -138,100 +135,66 @@ static inline __attribute__((always_inline)) void dot_row(
  * two threads share it evenly. A feature's sums are the same whatever its tile. */
 #define SMALL_OUT 2048
 
-/* Tiles shared out to the threads with stealing: thread t owns the t-th contiguous run of
- * tiles and takes them from its front, in order (the prefetchers follow one thread's blocks);
- * one that is done takes what is left of the others' runs, from the same counters. A thread
- * that a stage process preempts mid-phase then costs the step its preemption once, not twice
- * (with `schedule(static)` the other thread would wait at the barrier for its tiles).
- * Each tile is one thread's sums whoever takes it, so the result is the same bit for bit.
- *
- * The counters come in two sets, used by alternate calls: call c resets the set of call c + 1
- * (last used by call c - 1, which every thread has left: each call ends at a barrier). */
-#define STEAL_MAX_THREADS 64
-typedef struct {
-    struct {
-        _Alignas(64) int64_t next; /* tiles taken of this thread's run, one cache line each */
-    } run[2][STEAL_MAX_THREADS];
-} Steal;
+static inline int64_t tile_size_of(int64_t out_features) {
+    return out_features <= SMALL_OUT ? TILE / 2 : TILE;
+}
 
-/* The i-th tile of a GEMV: its output features against every row, in groups of MAX_ROWS. */
-static inline __attribute__((always_inline)) void gemv_tile(
-    const int Q8, const int ADD, const uint8_t *w, int64_t out_features, int64_t in_features,
-    const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride, int64_t tile_size,
-    int64_t t) {
+static inline int64_t num_tiles_of(int64_t out_features) {
+    const int64_t size = tile_size_of(out_features);
+    return (out_features + size - 1) / size;
+}
+
+/* Tile t's features against `group` <= MAX_ROWS rows of x (xg) -> tile[r][j]; its width. */
+static inline __attribute__((always_inline)) int tile_sums(
+    const int Q8, const uint8_t *w, int64_t out_features, int64_t in_features, const float *xg,
+    int64_t x_stride, int group, int64_t t, float (*tile)[TILE]) {
     const int nb = (int)(in_features / QK);
     const int64_t row_bytes = (int64_t)nb * (Q8 ? Q8_0_BYTES : Q4_1_BYTES);
-    const int64_t o0 = t * tile_size;
+    const int64_t tile_size = tile_size_of(out_features), o0 = t * tile_size;
     const int n = out_features - o0 < tile_size ? (int)(out_features - o0) : (int)tile_size;
-    float tile[MAX_ROWS][TILE];
-    for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
-        const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;
-        const float *xg = x + (int64_t)g0 * x_stride;
-        for (int j = 0; j < n; ++j) {
-            float sums[MAX_ROWS];
-            switch (group) {
-                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
-                ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
-            }
-            for (int r = 0; r < group; ++r) tile[r][j] = sums[r];
+    for (int j = 0; j < n; ++j) {
+        float sums[MAX_ROWS];
+        switch (group) {
+            ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+            ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
         }
-        for (int r = 0; r < group; ++r) {
-            float *yr = y + (int64_t)(g0 + r) * y_stride + o0;
-            if (ADD)  /* y += x W^T: the residual add of a layer's output projection */
-                for (int j = 0; j < n; ++j) yr[j] += tile[r][j];
-            else
-                memcpy(yr, tile[r], n * sizeof(float));
-        }
+        for (int r = 0; r < group; ++r) tile[r][j] = sums[r];
+    }
+    return n;
+}
+
+/* rows of tile t's sums into y (ADD: added to y, the residual add of an output projection) */
+static inline __attribute__((always_inline)) void tile_store(
+    const int ADD, int64_t out_features, float (*tile)[TILE], int rows, int n, float *y,
+    int64_t y_stride, int64_t t) {
+    const int64_t o0 = t * tile_size_of(out_features);
+    for (int r = 0; r < rows; ++r) {
+        float *yr = y + (int64_t)r * y_stride + o0;
+        if (ADD)
+            for (int j = 0; j < n; ++j) yr[j] += tile[r][j];
+        else
+            memcpy(yr, tile[r], n * sizeof(float));
     }
 }
 
-static inline __attribute__((always_inline)) void gemv_tiles_kind(
-    const int Q8, const int ADD, const uint8_t *w, int64_t out_features, int64_t in_features,
-    const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride, Steal *steal,
-    int64_t call) {
-    const int64_t tile_size = out_features <= SMALL_OUT ? TILE / 2 : TILE;
-    const int64_t num_tiles = (out_features + tile_size - 1) / tile_size;
-#ifdef _OPENMP
-    const int nt = omp_get_num_threads(), me = omp_get_thread_num();
-#else
-    const int nt = 1, me = 0;
-#endif
-    if (steal == NULL || nt > STEAL_MAX_THREADS || nt == 1) {
+/* y = x W^T for blocks of kind q8 (1: Q8_0, 0: Q4_1), inside a running OpenMP region (every
+ * thread of it must call it): tiles in static runs, rows in groups of MAX_ROWS through each
+ * tile (its blocks stay in cache across the groups). */
+static inline void gemv_tiles(int q8, const uint8_t *w, int64_t out_features, int64_t in_features,
+                              const float *x, int64_t x_stride, int rows, float *y,
+                              int64_t y_stride) {
+    const int64_t num_tiles = num_tiles_of(out_features);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < num_tiles; ++t)
-            gemv_tile(Q8, ADD, w, out_features, in_features, x, x_stride, rows, y, y_stride,
-                      tile_size, t);
-        return;
-    }
-    const int set = (int)(call & 1);
-    for (int k = 0; k < nt; ++k) { /* its own run first, then the others' */
-        const int owner = (me + k) % nt;
-        const int64_t start = num_tiles * owner / nt, end = num_tiles * (owner + 1) / nt;
-        for (;;) {
-            const int64_t t =
-                start + __atomic_fetch_add(&steal->run[set][owner].next, 1, __ATOMIC_RELAXED);
-            if (t >= end) break;
-            gemv_tile(Q8, ADD, w, out_features, in_features, x, x_stride, rows, y, y_stride,
-                      tile_size, t);
+    for (int64_t t = 0; t < num_tiles; ++t) {
+        float tile[MAX_ROWS][TILE];
+        for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
+            const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;
+            const float *xg = x + (int64_t)g0 * x_stride;
+            const int n = q8 ? tile_sums(1, w, out_features, in_features, xg, x_stride, group, t, tile)
+                             : tile_sums(0, w, out_features, in_features, xg, x_stride, group, t, tile);
+            tile_store(0, out_features, tile, group, n, y + (int64_t)g0 * y_stride, y_stride, t);
         }
     }
-    if (me == 0) /* the next call's set: its last user, call - 1, has been left by everyone */
-        for (int k = 0; k < nt; ++k)
-            __atomic_store_n(&steal->run[set ^ 1][k].next, 0, __ATOMIC_RELAXED);
-#pragma omp barrier
-}
-
-/* y = x W^T (add = 0) or y += x W^T (add = 1) for blocks of kind q8 (1: Q8_0, 0: Q4_1), inside a
- * running OpenMP region (every thread of it must call it; it ends with a barrier). `steal`: the
- * region's counters (zeroed before the region) and `call` this call's number in the region, the
- * same on every thread, for the stealing schedule; NULL: tiles in static runs. */
-static inline void gemv_tiles(int q8, int add, const uint8_t *w, int64_t out_features,
-                              int64_t in_features, const float *x, int64_t x_stride, int rows,
-                              float *y, int64_t y_stride, Steal *steal, int64_t call) {
-    if (q8 && add) gemv_tiles_kind(1, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, steal, call);
-    else if (q8) gemv_tiles_kind(1, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, steal, call);
-    else if (add) gemv_tiles_kind(0, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, steal, call);
-    else gemv_tiles_kind(0, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, steal, call);
 }
 
 #endif

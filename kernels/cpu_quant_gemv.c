@@ -31,7 +31,7 @@ static inline void gemv(const int q8, const uint8_t *w, int64_t out_features,
                         int64_t y_stride, int num_threads) {
     (void)num_threads;
 #pragma omp parallel num_threads(num_threads) if (out_features >= 64)
-    gemv_tiles(q8, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, NULL, 0);
+    gemv_tiles(q8, w, out_features, in_features, x, x_stride, rows, y, y_stride);
 }
 
 /* 0 on success, -1 for a shape the kernel does not take (in not a multiple of 32, no rows); the

@@ -229,11 +229,15 @@ def test_both_attention_splits_match(model):
         torch.set_num_threads(before)
 
 
-def test_the_gemv_tiles_stolen_between_threads_change_no_bit(model):
-    """Each thread takes its own run of a GEMV's tiles, then what the others left (stealing,
-    cpu_quant_dot.h); 1 thread runs them in static order. Whoever takes a tile sums it the same
-    way: at 1, 2, 3 and 8 threads the residual stream and every K/V written are bit for bit the
-    same (32 rows: the KV-head attention split at each count)."""
+@pytest.mark.parametrize("redo_after_ns", [cpu_decode.REDO_AFTER_NS, 0])
+def test_items_taken_or_redone_by_any_thread_change_no_bit(model, monkeypatch, redo_after_ns):
+    """Each thread takes its own run of a phase's items, then what the others left, and redoes
+    what is still open once it has waited redo_after_ns (at 0 every waiting thread races for the
+    open items at once; at 8 threads on this machine's cores some are preempted mid-item). An
+    item is stored once, by whoever claims it first, and sums the same whoever computes it: at 1,
+    2, 3 and 8 threads the residual stream and every K/V written are bit for bit the same (32
+    rows: the KV-head attention split at each count)."""
+    monkeypatch.setattr(cpu_decode, "REDO_AFTER_NS", redo_after_ns)
     ids, positions, attn = step(CASES["thirty-two rows"])
     d, kvh = model.config.head_dim, model.config.num_kv_heads
     before = torch.get_num_threads()
