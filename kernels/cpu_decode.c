@@ -257,11 +257,12 @@ static int indices_in_range(int32_t T, const int64_t *positions, int32_t max_pos
  * threads do (tests/kernels/test_cpu_decode.py: any thread count, every item raced for). */
 #define PHASES_PER_LAYER 9
 #define DECODE_MAX_ROWS 32 /* a step's tokens (kernels/cpu_decode.py MAX_ROWS) */
+#define LINE 8 /* int64s a cache line: each thread's counters on a line of their own */
 typedef struct {
     int nt;          /* the region's threads */
-    int64_t stride;  /* next's entries a phase: nt rounded up to a cache line */
-    int64_t *next;   /* [phase][stride]: items taken of each thread's run */
-    int64_t *done;   /* [phase][8]: items stored, a cache line each */
+    int64_t stride;  /* counters a phase: a line for each of up to nt_max threads */
+    int64_t *next;   /* [phase][thread][LINE]: items taken of each thread's run */
+    int64_t *done;   /* [phase][thread][LINE]: items each thread has stored */
     int64_t *first;  /* [phase]: its first item's index in state */
     int64_t *count;  /* [phase]: its items */
     uint8_t *state;  /* [every item]: 0 not stored, 2 being stored, 3 stored */
@@ -286,7 +287,7 @@ static inline int64_t take(Items *it, int64_t p, int me) {
     for (int k = 0; k < nt; ++k) {
         const int owner = (me + k) % nt;
         const int64_t start = n * owner / nt, end = n * (owner + 1) / nt;
-        int64_t *next = &it->next[p * it->stride + owner];
+        int64_t *next = &it->next[p * it->stride + owner * LINE];
         if (start + __atomic_load_n(next, __ATOMIC_RELAXED) >= end) continue;
         const int64_t t = start + __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
         if (t < end) return t;
@@ -304,13 +305,17 @@ static inline int claim_store(Items *it, int64_t p, int64_t t) {
     return 0;
 }
 
-static inline void stored(Items *it, int64_t p, int64_t t) {
+static inline void stored(Items *it, int64_t p, int64_t t, int me) {
     __atomic_store_n(&it->state[it->first[p] + t], 3, __ATOMIC_RELEASE);
-    __atomic_add_fetch(&it->done[p * 8], 1, __ATOMIC_ACQ_REL);
+    int64_t *done = &it->done[p * it->stride + me * LINE];
+    __atomic_store_n(done, *done + 1, __ATOMIC_RELEASE); /* only this thread writes it */
 }
 
 static inline int phase_done(Items *it, int64_t p) {
-    return __atomic_load_n(&it->done[p * 8], __ATOMIC_ACQUIRE) >= it->count[p];
+    int64_t n = 0;
+    for (int k = 0; k < it->nt; ++k)
+        n += __atomic_load_n(&it->done[p * it->stride + k * LINE], __ATOMIC_ACQUIRE);
+    return n >= it->count[p];
 }
 
 static inline int item_open(Items *it, int64_t p, int64_t t) {
@@ -341,7 +346,7 @@ static inline int item_open(Items *it, int64_t p, int64_t t) {
 static inline __attribute__((always_inline)) void gemv_item(
     const int Q8, const int ADD, const uint8_t *w, int64_t out_features, int64_t in_features,
     const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride, Items *it,
-    int64_t p, int64_t t) {
+    int64_t p, int64_t t, int me) {
     float tile[DECODE_MAX_ROWS][TILE];
     int n = 0;
     for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
@@ -351,24 +356,24 @@ static inline __attribute__((always_inline)) void gemv_item(
     }
     if (!claim_store(it, p, t)) return;
     tile_store(ADD, out_features, tile, rows, n, y, y_stride, t);
-    stored(it, p, t);
+    stored(it, p, t, me);
 }
 
 static void gemv_item_kind(int q8, int add, const uint8_t *w, int64_t out_features,
                            int64_t in_features, const float *x, int64_t x_stride, int rows,
-                           float *y, int64_t y_stride, Items *it, int64_t p, int64_t t) {
-    if (q8 && add) gemv_item(1, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t);
-    else if (q8) gemv_item(1, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t);
-    else if (add) gemv_item(0, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t);
-    else gemv_item(0, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t);
+                           float *y, int64_t y_stride, Items *it, int64_t p, int64_t t, int me) {
+    if (q8 && add) gemv_item(1, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me);
+    else if (q8) gemv_item(1, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me);
+    else if (add) gemv_item(0, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me);
+    else gemv_item(0, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me);
 }
 
 /* a `count`-float item computed into `local`, stored to `dst` if this thread claims it */
 static inline void store_item(Items *it, int64_t p, int64_t t, const float *local, float *dst,
-                              int64_t count) {
+                              int64_t count, int me) {
     if (!claim_store(it, p, t)) return;
     memcpy(dst, local, sizeof(float) * (size_t)count);
-    stored(it, p, t);
+    stored(it, p, t, me);
 }
 
 /* 0 on success; -1 a shape it does not take (head_dim > 256 or odd, more than 16 query heads a KV
@@ -405,8 +410,8 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     if (nt_max < 1) nt_max = 1;
     /* the items' bookkeeping (for up to nt_max threads) in one allocation, and their states */
     const int64_t num_phases = (int64_t)num_layers * PHASES_PER_LAYER;
-    const int64_t stride = (nt_max + 7) / 8 * 8, n_next = num_phases * stride;
-    const int64_t n_done = num_phases * 8;
+    const int64_t stride = (int64_t)nt_max * LINE, n_next = num_phases * stride;
+    const int64_t n_done = n_next;
     const size_t book_bytes = sizeof(int64_t) * (size_t)(n_next + n_done + 2 * num_phases);
     int64_t *book = aligned_alloc(64, (book_bytes + 63) / 64 * 64);
     if (book == NULL) return -2;
@@ -467,11 +472,11 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
 #define IN_NORM(r)                                                                \
     do {                                                                          \
         rms_norm_row(x + (r) * hidden, in_norm, hidden, eps, row);                \
-        store_item(&items, ph, (r), row, h + (r) * hidden, hidden);               \
+        store_item(&items, ph, (r), row, h + (r) * hidden, hidden, me);               \
     } while (0)
             RUN_PHASE(ph, IN_NORM);
 #define QKV(t) gemv_item_kind(kind[0], 0, w_qkv, qkv_size, hidden, h, hidden, T, qkv, qkv_size, \
-                              &items, ph + 1, (t))
+                              &items, ph + 1, (t), me)
             RUN_PHASE(ph + 1, QKV);
 #define ROPE(item)                                                                \
     do {                                                                          \
@@ -488,7 +493,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
                 memcpy(v_cache + slot, qkv_row + q_size + kv_size + kh * D,       \
                        sizeof(float) * D);                                        \
             }                                                                     \
-            stored(&items, ph + 2, (item));                                       \
+            stored(&items, ph + 2, (item), me);                                   \
         }                                                                         \
     } while (0)
             RUN_PHASE(ph + 2, ROPE);
@@ -500,30 +505,30 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
                tables + (int64_t)seq_idx[r] * table_stride, ctx_len[r], block_size, kv_size, \
                D, group, scale, scores, offs, local);                             \
         store_item(&items, ph + 3, (item), local, att + (int64_t)r * q_size + hq * D, \
-                   (int64_t)group * D);                                           \
+                   (int64_t)group * D, me);                                       \
     } while (0)
             RUN_PHASE(ph + 3, ATTEND);
 #define O_PROJ(t) gemv_item_kind(kind[1], 1, w_o, hidden, q_size, att, q_size, T, x, hidden, \
-                                 &items, ph + 4, (t))
+                                 &items, ph + 4, (t), me)
             RUN_PHASE(ph + 4, O_PROJ);
 #define POST_NORM(r)                                                              \
     do {                                                                          \
         rms_norm_row(x + (r) * hidden, post_norm, hidden, eps, row);              \
-        store_item(&items, ph + 5, (r), row, h + (r) * hidden, hidden);           \
+        store_item(&items, ph + 5, (r), row, h + (r) * hidden, hidden, me);           \
     } while (0)
             RUN_PHASE(ph + 5, POST_NORM);
 #define GATE_UP(t) gemv_item_kind(kind[2], 0, w_gu, 2 * (int64_t)ffn, hidden, h, hidden, T, act, \
-                                  2 * ffn, &items, ph + 6, (t))
+                                  2 * ffn, &items, ph + 6, (t), me)
             RUN_PHASE(ph + 6, GATE_UP);
 #define SILU(r)                                                                   \
     do {                                                                          \
         float *a = act + (r) * 2 * ffn; /* into gate's half of the row */         \
         silu_mul(a, a + ffn, ffn, row);                                           \
-        store_item(&items, ph + 7, (r), row, a, ffn);                             \
+        store_item(&items, ph + 7, (r), row, a, ffn, me);                             \
     } while (0)
             RUN_PHASE(ph + 7, SILU);
 #define DOWN(t) gemv_item_kind(kind[3], 1, w_down, hidden, ffn, act, 2 * ffn, T, x, hidden, \
-                               &items, ph + 8, (t))
+                               &items, ph + 8, (t), me)
             RUN_PHASE(ph + 8, DOWN);
         }
         free(scores);
