@@ -12,6 +12,7 @@
 #ifndef BRIGADE_CPU_QUANT_DOT_H
 #define BRIGADE_CPU_QUANT_DOT_H
 #define MAX_ROWS 8
+#define TABLE_ROWS 4 /* AVX-512: Q4_1 weights looked up from the block's 16 values up to this many rows */
 
 #if ISA_LEVEL == 2
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -33,6 +34,7 @@ static inline __attribute__((always_inline)) void dot_row(
 #if ISA_LEVEL == 2
     __m512 acc0[MAX_ROWS], acc1[MAX_ROWS];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m128i low4 = _mm_set1_epi8(0x0f);
     for (int b = 0; b < nb; ++b) {
         const uint8_t *blk = w + (int64_t)b * block_bytes;
@@ -43,6 +45,15 @@ static inline __attribute__((always_inline)) void dot_row(
             const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
             w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
             w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        } else if (R <= TABLE_ROWS) {
+            /* the block's 16 values fma(d, q, m) once, then each weight looked up by its code:
+             * the same fp32 value as unpacking every code and its fma, in 5 instructions not 9
+             * (a permute reads the low 4 bits of its index: the low nibble as it is). Past
+             * TABLE_ROWS rows the permutes' port is the busier one: unpacked as below. */
+            const __m512 table = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(half_to_float(blk + 2)));
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 4)));
+            w0 = _mm512_permutexvar_ps(q, table);
+            w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
         } else {
             const __m512 m = _mm512_set1_ps(half_to_float(blk + 2));
             const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
