@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import signal
 
+import anyio
 import nats
+import nats.js.errors
 import pytest
 from nats.js import api
 
@@ -34,7 +36,16 @@ async def test_leaders_are_found_and_a_node_comes_back_on_its_ports_and_store(tm
         nc = await nats.connect(servers=list(cluster.urls))
         js = nc.jetstream()
         await js.add_stream(api.StreamConfig(name="T", subjects=["t.>"], num_replicas=3))
-        for i in range(5):
+        # a new R3 stream answers once its leader is elected and its interest has reached the
+        # client's node: until then a publish has no responder (and nothing is stored)
+        with anyio.fail_after(15):
+            while True:
+                try:
+                    await js.publish("t.0", b"x")
+                    break
+                except nats.js.errors.NoStreamResponseError:
+                    await anyio.sleep(0.1)
+        for i in range(1, 5):
             await js.publish(f"t.{i}", b"x")
         info = await js.stream_info("T")
         assert cluster.stream_leader("T") == info.cluster.leader
