@@ -24,6 +24,7 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -125,6 +126,14 @@ def register(subparsers) -> None:
         help="never download or build llama.cpp: use --llama-cpp-dir or an earlier build",
     )
     p.add_argument("--quick", action="store_true", help="1 repetition, 1 and 8 streams")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="llama.cpp's and Brigade's measurements alternated this many times; each figure is "
+        "the median of its rounds and each ratio the median of the rounds' ratios, so a machine "
+        "that slows for one side's turn moves one round, not the table (default 1)",
+    )
     p.add_argument("--threads", type=int, default=2, help="threads of both engines (-t)")
     p.add_argument(
         "--dtype",
@@ -242,21 +251,35 @@ def measure_llama_cpp(
     return res
 
 
-def ratio_rows(brigade: dict[str, float], llama: dict[str, float] | None) -> list[dict]:
-    """One row per metric Brigade measured: both figures, Brigade / llama.cpp and its target."""
+def ratio_rows(
+    brigade: dict[str, float] | list[dict[str, float]],
+    llama: dict[str, float] | list[dict[str, float]] | None,
+) -> list[dict]:
+    """One row per metric Brigade measured: both figures, Brigade / llama.cpp and its target.
+    Given rounds (lists, measured alternately), each figure is the median of its rounds, the
+    ratio the median of the rounds' ratios, and `ratios` holds each round's."""
+    b_rounds = brigade if isinstance(brigade, list) else [brigade]
+    l_rounds = llama if isinstance(llama, list) or llama is None else [llama]
     rows = []
     for name, (what, target) in METRICS.items():
-        if name not in brigade:
+        if name not in b_rounds[0]:
             continue
-        peer = None if llama is None else llama.get(name)
-        ratio = None if not peer else brigade[name] / peer
+        mine = [r[name] for r in b_rounds]
+        peers = None if l_rounds is None else [r.get(name) for r in l_rounds]
+        ratios = None
+        if peers is not None and all(peers):
+            ratios = [m / p for m, p in zip(mine, peers, strict=True)]
+        ratio = None if ratios is None else statistics.median(ratios)
         rows.append(
             {
                 "metric": name,
                 "what": what,
-                "brigade": round(brigade[name], 1),
-                "llama_cpp": None if peer is None else round(peer, 1),
+                "brigade": round(statistics.median(mine), 1),
+                "llama_cpp": None
+                if not peers or None in peers
+                else round(statistics.median(peers), 1),
                 "ratio": None if ratio is None else round(ratio, 2),
+                "ratios": None if ratios is None else [round(r, 2) for r in ratios],
                 "target": target,
                 "meets_target": None if ratio is None or target is None else ratio >= target,
             }
@@ -274,17 +297,28 @@ def markdown(res: dict) -> str:
         "",
         f"Brigade: {res.get('dtype', '?')}, weights {res.get('quantization') or 'dense'}",
         "",
-        "| metric | llama.cpp | Brigade | Brigade / llama.cpp | target | |",
-        "|---|---|---|---|---|---|",
     ]
+    rounds = res.get("rounds", 1)
+    if rounds > 1:
+        lines[-2:] = [
+            f"Brigade: {res.get('dtype', '?')}, weights {res.get('quantization') or 'dense'}; "
+            f"{rounds} rounds, llama.cpp's and Brigade's alternated: the medians, and each "
+            "round's ratio",
+            "",
+        ]
+    head = "| metric | llama.cpp | Brigade | Brigade / llama.cpp | target | |"
+    lines += [head + (" each round |" if rounds > 1 else ""),
+              "|---|---|---|---|---|---|" + ("---|" if rounds > 1 else "")]  # fmt: skip
     for r in res["rows"]:
         peer = "—" if r["llama_cpp"] is None else f"{r['llama_cpp']:,.1f}"
         ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         target = "—" if r["target"] is None else f">= {r['target']:g}x"
         verdict = {True: "pass", False: "FAIL", None: ""}[r["meets_target"]]
-        lines.append(
-            f"| {r['what']} | {peer} | {r['brigade']:,.1f} | {ratio} | {target} | {verdict} |"
-        )
+        line = f"| {r['what']} | {peer} | {r['brigade']:,.1f} | {ratio} | {target} | {verdict} |"
+        if rounds > 1:
+            each = r.get("ratios")
+            line += " — |" if not each else " " + ", ".join(f"{x:.2f}" for x in each) + " |"
+        lines.append(line)
     floor = res.get("floor")
     if floor:
         lines += [
@@ -334,17 +368,21 @@ def run(args: argparse.Namespace) -> int:
     from schemas import settings
 
     gguf = resolve_model(args.model)
+    if args.rounds < 1:
+        print(f"brigade bench peer: --rounds {args.rounds}: give 1 or more", file=sys.stderr)
+        return 2
     streams, reps = (STREAMS_QUICK, 1) if args.quick else (STREAMS, 5)
     res: dict = {
         "model": args.model,
         "gguf": gguf.name,
         "threads": args.threads,
         "quick": args.quick,
+        "rounds": args.rounds,
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "llama_cpp_skipped": None,
         "llama_cpp_build_flags": [],
     }
-    llama = None
+    binaries = None
     try:
         if model_format(gguf) != "gguf":
             raise llama_cpp.Unavailable(f"{args.model} is not a GGUF file, which llama.cpp needs")
@@ -355,7 +393,6 @@ def run(args: argparse.Namespace) -> int:
         )
         res["llama_cpp_build_flags"] = list(binaries.build_flags)
         print(f"llama.cpp: llama-bench and llama-batched-bench from {binaries.bench.parent}")
-        llama = measure_llama_cpp(binaries, gguf, args.threads, streams, reps)
     except (llama_cpp.Unavailable, RuntimeError) as err:
         res["llama_cpp_skipped"] = str(err)
         print(f"brigade bench peer: {skip_message(str(err))}", flush=True)
@@ -369,16 +406,29 @@ def run(args: argparse.Namespace) -> int:
         res["quantization"] = "GGUF blocks: GEMV up to 32 rows, GEMM above"
         if getattr(engine.model, "fused", None) is not None:
             res["quantization"] += "; steps up to 32 tokens fused"
-    print("Brigade: prefill, single-stream and batched decode ...", flush=True)
-    brigade = measure_brigade(engine, streams, reps)
-    res["brigade"] = {k: round(v, 1) for k, v in brigade.items()}
-    res["llama_cpp"] = None if llama is None else {k: round(v, 1) for k, v in llama.items()}
+    brigade: list[dict[str, float]] = []
+    llama: list[dict[str, float]] | None = None if binaries is None else []
+    for k in range(args.rounds):
+        if binaries is not None and llama is not None:
+            try:
+                print(f"llama.cpp, round {k + 1} of {args.rounds} ...", flush=True)
+                llama.append(measure_llama_cpp(binaries, gguf, args.threads, streams, reps))
+            except (llama_cpp.Unavailable, RuntimeError) as err:
+                res["llama_cpp_skipped"], llama = str(err), None
+                print(f"brigade bench peer: {skip_message(str(err))}", flush=True)
+        print(f"Brigade, round {k + 1} of {args.rounds}: prefill, single-stream and batched "
+              "decode ...", flush=True)  # fmt: skip
+        brigade.append(measure_brigade(engine, streams, reps))
+    res["brigade"] = [{k: round(v, 1) for k, v in r.items()} for r in brigade]
+    res["llama_cpp"] = None if llama is None else [{k: round(v, 1) for k, v in r.items()}
+                                                   for r in llama]  # fmt: skip
     res["rows"] = ratio_rows(brigade, llama)
-    res["floor"] = floor_row(weight_bytes(gguf), read_bandwidth(args.threads), llama)
+    llama_row = None if llama is None else {m["metric"]: m["llama_cpp"] for m in res["rows"]}
+    res["floor"] = floor_row(weight_bytes(gguf), read_bandwidth(args.threads), llama_row)
     from kernels import cpu_fma_peak  # here: kernels import torch, `brigade --help` does not
 
     peak = cpu_fma_peak.fma_peak(args.threads)
     if peak is not None:
-        res["prefill_ceiling"] = prefill_ceiling_row(engine.model_config, peak, llama)
+        res["prefill_ceiling"] = prefill_ceiling_row(engine.model_config, peak, llama_row)
     write_results(args.out, "peer", res, markdown(res))
     return 0

@@ -299,3 +299,23 @@ def test_the_prefill_ceiling_is_the_projections_flops_over_the_fma_peak():
     )  # fmt: skip
     assert f"no fp32 engine prefills faster than {row['ceiling_tok_s']:,.1f} tok/s" in text
     assert "2,000.0 tok/s: above that ceiling" in text
+
+
+def test_rounds_give_median_figures_and_the_median_of_each_rounds_ratio():
+    """Alternated rounds: a round where the machine slowed for one side's turn (round 2: llama.cpp
+    slow, round 3: Brigade slow) moves its own ratio, not the table's."""
+    slow_peer = {k: v / 2 for k, v in LLAMA.items()}
+    slow_mine = {k: v / 2 for k, v in BRIGADE.items()}
+    rows = {r["metric"]: r for r in peer.ratio_rows([BRIGADE, BRIGADE, slow_mine],
+                                                    [LLAMA, slow_peer, LLAMA])}  # fmt: skip
+    tg = rows["tg128"]
+    assert tg["ratios"] == [0.83, 1.67, 0.42] and tg["ratio"] == 0.83
+    assert (tg["brigade"], tg["llama_cpp"]) == (100.0, 120.0)
+    assert tg["meets_target"] is False
+    table = peer.markdown({**result(LLAMA), "rounds": 3,
+                           "rows": peer.ratio_rows([BRIGADE] * 3, [LLAMA] * 3)})  # fmt: skip
+    assert "3 rounds, llama.cpp's and Brigade's alternated" in table
+    assert "| target | | each round |" in table
+    assert "| 120.0 | 100.0 | 0.83x | >= 1.3x | FAIL | 0.83, 0.83, 0.83 |" in table
+    alone = peer.ratio_rows([BRIGADE, BRIGADE], None)
+    assert all(r["ratio"] is None and r["ratios"] is None for r in alone)
