@@ -472,7 +472,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
 #define IN_NORM(r)                                                                \
     do {                                                                          \
         rms_norm_row(x + (r) * hidden, in_norm, hidden, eps, row);                \
-        store_item(&items, ph, (r), row, h + (r) * hidden, hidden, me);               \
+        store_item(&items, ph, (r), row, h + (r) * hidden, hidden, me);           \
     } while (0)
             RUN_PHASE(ph, IN_NORM);
 #define QKV(t) gemv_item_kind(kind[0], 0, w_qkv, qkv_size, hidden, h, hidden, T, qkv, qkv_size, \
@@ -514,7 +514,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
 #define POST_NORM(r)                                                              \
     do {                                                                          \
         rms_norm_row(x + (r) * hidden, post_norm, hidden, eps, row);              \
-        store_item(&items, ph + 5, (r), row, h + (r) * hidden, hidden, me);           \
+        store_item(&items, ph + 5, (r), row, h + (r) * hidden, hidden, me);       \
     } while (0)
             RUN_PHASE(ph + 5, POST_NORM);
 #define GATE_UP(t) gemv_item_kind(kind[2], 0, w_gu, 2 * (int64_t)ffn, hidden, h, hidden, T, act, \
@@ -524,7 +524,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     do {                                                                          \
         float *a = act + (r) * 2 * ffn; /* into gate's half of the row */         \
         silu_mul(a, a + ffn, ffn, row);                                           \
-        store_item(&items, ph + 7, (r), row, a, ffn, me);                             \
+        store_item(&items, ph + 7, (r), row, a, ffn, me);                         \
     } while (0)
             RUN_PHASE(ph + 7, SILU);
 #define DOWN(t) gemv_item_kind(kind[3], 1, w_down, hidden, ffn, act, 2 * ffn, T, x, hidden, \

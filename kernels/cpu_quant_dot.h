@@ -1,8 +1,7 @@
 /* The block GEMV's inner loops, shared by the GEMV (cpu_quant_gemv.c) and the fused decode
  * forward (cpu_decode.c): one output feature's dot products against up to MAX_ROWS rows of x
- * (dot_row), a tile of output features' sums and their store (tile_sums, tile_store: the fused
- * forward's items), and a whole GEMV's tiles shared by the threads of an OpenMP region that is
- * already running (gemv_tiles: an orphaned `omp for`). Include "cpu_quant_blocks.h" first.
+ * (dot_row), and a tile of output features' sums and their store (tile_sums, tile_store: the
+ * GEMV's tiles and the fused forward's items). Include "cpu_quant_blocks.h" first.
  *
  * Each y value is one thread's sum, so a row's result does not depend on the thread count or on
  * the other rows. Rows go in groups of MAX_ROWS through each tile of output features (its blocks
@@ -185,26 +184,6 @@ static inline __attribute__((always_inline)) void tile_store(
             for (int j = 0; j < n; ++j) yr[j] += tile[r][j];
         else
             memcpy(yr, tile[r], n * sizeof(float));
-    }
-}
-
-/* y = x W^T for blocks of kind q8 (1: Q8_0, 0: Q4_1), inside a running OpenMP region (every
- * thread of it must call it): tiles in static runs, rows in groups of MAX_ROWS through each
- * tile (its blocks stay in cache across the groups). */
-static inline void gemv_tiles(int q8, const uint8_t *w, int64_t out_features, int64_t in_features,
-                              const float *x, int64_t x_stride, int rows, float *y,
-                              int64_t y_stride) {
-    const int64_t num_tiles = num_tiles_of(out_features);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < num_tiles; ++t) {
-        float tile[MAX_ROWS][TILE];
-        for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
-            const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;
-            const float *xg = x + (int64_t)g0 * x_stride;
-            const int n = q8 ? tile_sums(1, w, out_features, in_features, xg, x_stride, group, t, tile)
-                             : tile_sums(0, w, out_features, in_features, xg, x_stride, group, t, tile);
-            tile_store(0, out_features, tile, group, n, y + (int64_t)g0 * y_stride, y_stride, t);
-        }
     }
 }
 

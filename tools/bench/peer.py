@@ -288,27 +288,25 @@ def ratio_rows(
 
 
 def markdown(res: dict) -> str:
-    threads, load = res["threads"], res["load_average_at_start"]
+    threads, load, rounds = res["threads"], res["load_average_at_start"], res.get("rounds", 1)
     lines = [
         f"# Brigade vs llama.cpp on {res['gguf']}",
         "",
         f"{threads} thread{'s' if threads != 1 else ''}; load average at start {load}"
         + ("; quick run" if res["quick"] else ""),
         "",
-        f"Brigade: {res.get('dtype', '?')}, weights {res.get('quantization') or 'dense'}",
+        f"Brigade: {res.get('dtype', '?')}, weights {res.get('quantization') or 'dense'}"
+        + (
+            f"; {rounds} rounds, llama.cpp's and Brigade's alternated: the medians, and each "
+            "round's ratio"
+            if rounds > 1
+            else ""
+        ),  # fmt: skip
         "",
+        "| metric | llama.cpp | Brigade | Brigade / llama.cpp | target | |"
+        + (" each round |" if rounds > 1 else ""),
+        "|---|---|---|---|---|---|" + ("---|" if rounds > 1 else ""),
     ]
-    rounds = res.get("rounds", 1)
-    if rounds > 1:
-        lines[-2:] = [
-            f"Brigade: {res.get('dtype', '?')}, weights {res.get('quantization') or 'dense'}; "
-            f"{rounds} rounds, llama.cpp's and Brigade's alternated: the medians, and each "
-            "round's ratio",
-            "",
-        ]
-    head = "| metric | llama.cpp | Brigade | Brigade / llama.cpp | target | |"
-    lines += [head + (" each round |" if rounds > 1 else ""),
-              "|---|---|---|---|---|---|" + ("---|" if rounds > 1 else "")]  # fmt: skip
     for r in res["rows"]:
         peer = "—" if r["llama_cpp"] is None else f"{r['llama_cpp']:,.1f}"
         ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}x"
