@@ -52,11 +52,7 @@ def bucket(name: str) -> list[str]:
 # the submit queue of an older data dir, recreated in memory (stages/runtime/bus.py).
 RUNTIME_PUBLISH = [
     f"{JS}.INFO",
-    *(
-        f"{JS}.STREAM.{op}.{name}"
-        for op in ("INFO", "CREATE", "UPDATE")
-        for name in STREAMS
-    ),
+    *(f"{JS}.STREAM.{op}.{name}" for op in ("INFO", "CREATE", "UPDATE") for name in STREAMS),
     f"{JS}.STREAM.DELETE.{subjects.SUBMIT_STREAM}",
     # creating Brigade's KV buckets (Bus.ensure_kv) reads and writes none of them
     *(f"{JS}.STREAM.{op}.KV_{name}" for op in ("INFO", "CREATE") for name in EVERY_BUCKET),
