@@ -97,10 +97,17 @@ def paged_attend(
     plan: AttentionPlan,
     scale: float,
 ) -> Tensor:
-    """Write this step's K/V into their slots, then attend over each sequence's cache."""
+    """Write this step's K/V into their slots, then attend over each sequence's cache.
+
+    A cache of a narrower dtype than the model's (fp16 under fp32) stores K and V rounded, and
+    this step attends its own K and V rounded the same way: a token's keys read the same whether
+    they were computed in this step or an earlier one."""
     k_cache, v_cache = kv_cache
+    if k_cache.dtype != k.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, plan.slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, plan.slot_mapping, v)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     if plan.sdpa is not None:
         return paged_attention_sdpa(q, k, v, k_cache, v_cache, plan.sdpa, scale)
     if plan.token_rows is not None:

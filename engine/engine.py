@@ -28,6 +28,7 @@ from engine.spec_decode import propose_drafts, sample_and_verify
 from engine.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", *DTYPES)  # "auto": the model's dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +40,11 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # None -> DEFAULT_KV_CACHE_BYTES
+    # the K/V cache's element type: "auto", the model's; "float16" under the float32 model on the
+    # CPU: each K and V rounded to fp16 once, as it is stored, and read back into fp32 sums (half
+    # the cache's bytes a step reads and twice the tokens a budget holds; its KL in the quality
+    # table, docs/benchmarks.md)
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # overrides the memory budget (tests, benchmarks)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -66,6 +72,23 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype={self.dtype!r}; allowed: {sorted(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}; allowed: "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
+        kv = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if kv != self.dtype and not (
+            (self.dtype, kv) == ("float32", "float16")
+            and self.device == "cpu"
+            and not self.batch_invariant
+        ):
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r} with dtype={self.dtype!r} "
+                f"on {self.device!r}{' batch-invariant' if self.batch_invariant else ''}: a cache "
+                "of another dtype than the model's is float16 under float32, on the CPU, without "
+                "batch_invariant; allowed here: 'auto' or the model's dtype"
+            )
         for name in ("num_speculative_tokens",):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)}; allowed: >= 0")
@@ -121,6 +144,9 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
+        self.kv_dtype = DTYPES[
+            config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        ]
         self.model, self.model_config = load_model(
             config.model,
             dtype=self.dtype,
@@ -136,14 +162,14 @@ class Engine:
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             self.model_config,
             block_size=config.block_size,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             budget_bytes=config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES,
         )
         self.kv_cache = KVCache(
             self.model_config,
             num_blocks=num_blocks,
             block_size=config.block_size,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         self.block_manager = BlockManager(

@@ -1,6 +1,8 @@
 /* The fused fp32 decode forward: every decoder layer of a Llama-family model for a step of a few
  * tokens (decode rows, speculative drafts, short prefill chunks), in one call and one OpenMP
- * region, over weights kept as GGUF Q4_1 / Q8_0 blocks and an fp32 paged KV cache.
+ * region, over weights kept as GGUF Q4_1 / Q8_0 blocks and a paged KV cache of fp32 or fp16
+ * (`kv_half`: each K and V rounded to fp16 as it is stored, as torch's .to(float16) rounds it,
+ * and widened to fp32 as attention reads it; every sum stays fp32).
  *
  * Per layer, each phase's items shared by the threads (exactly once each, see "work items"):
  *   1  h = rms_norm(x) * input_norm                      (rows)
@@ -27,7 +29,7 @@
  *   layers   [L, 8] int64 pointers    qkv, o, gate_up, down blocks; input_norm, post_norm; K, V cache
  *   kinds    [L, 4] int32             each linear's blocks: 1 Q8_0, 0 Q4_1
  *   blocks   [out, in / 32 * bytes] uint8; qkv's rows q, k, v; gate_up's rows gate, then up
- *   cache    [NB, BS, KVH, D]         one K and one V per layer
+ *   cache    [NB, BS, KVH, D]         one K and one V per layer, fp32 or (kv_half) fp16
  *   cos, sin [max_pos, D]             RoPE tables, the sign of sin's first half folded in
  *   positions, slots [T] int64; tables [S, W] int32; seq_idx, ctx_len [T] int32
  *   work     [T, hidden + qkv + H * D + 2 * ffn]
@@ -51,6 +53,35 @@ static inline int omp_thread(void) { return 0; }
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
+#define INLINE static inline __attribute__((always_inline))
+
+/* Element i of a K or V cache, widened to fp32: `half` is a constant at every call site (each
+ * caller is inlined into one fp32 and one fp16 copy), so the branch folds away. */
+INLINE float kv_at(const void *c, int64_t i, int half) {
+    return half ? (float)((const _Float16 *)c)[i] : ((const float *)c)[i];
+}
+#if ISA_LEVEL == 2
+INLINE __m512 kv_load16(const void *c, int64_t i, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)c + i)))
+                : _mm512_loadu_ps((const float *)c + i);
+}
+#endif
+#if ISA_LEVEL > 0
+INLINE __m256 kv_load8(const void *c, int64_t i, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)c + i)))
+                : _mm256_loadu_ps((const float *)c + i);
+}
+#endif
+
+/* n fp32 values into a cache at element i, rounded to nearest-even fp16 when `half` */
+static void kv_store(void *c, int64_t i, const float *src, int n, int half) {
+    if (!half) {
+        memcpy((float *)c + i, src, sizeof(float) * n);
+        return;
+    }
+    _Float16 *dst = (_Float16 *)c + i;
+    for (int d = 0; d < n; ++d) dst[d] = (_Float16)src[d];
+}
 
 /* out = x / sqrt(mean(x^2) + eps) * w, as torch's rms_norm in fp32 */
 static void rms_norm_row(const float *x, const float *w, int n, float eps, float *out) {
@@ -83,18 +114,18 @@ static void silu_mul(const float *g, const float *u, int n, float *out) {
 /* The weighted sum of V for one head, o = inv * sum_t p[t] v[t], 64 dims at a time held in
  * registers over all keys (D a multiple of 64; AVX2 or AVX-512). */
 #if ISA_LEVEL > 0
-static void weigh_values_64(const float *p, const float *v_cache, const int64_t *offs, int len,
-                            int D, float inv, float *o) {
+INLINE void weigh_values_64(const float *p, const void *v_cache, const int64_t *offs, int len,
+                            int D, float inv, float *o, int half) {
 #if ISA_LEVEL == 2
     for (int d0 = 0; d0 < D; d0 += 64) {
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int t = 0; t < len; ++t) {
-            const float *v = v_cache + offs[t] + d0;
+            const int64_t v = offs[t] + d0;
             const __m512 pt = _mm512_set1_ps(p[t]);
-            a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v), a0);
-            a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16), a1);
-            a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 32), a2);
-            a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 48), a3);
+            a0 = _mm512_fmadd_ps(pt, kv_load16(v_cache, v, half), a0);
+            a1 = _mm512_fmadd_ps(pt, kv_load16(v_cache, v + 16, half), a1);
+            a2 = _mm512_fmadd_ps(pt, kv_load16(v_cache, v + 32, half), a2);
+            a3 = _mm512_fmadd_ps(pt, kv_load16(v_cache, v + 48, half), a3);
         }
         const __m512 s = _mm512_set1_ps(inv);
         _mm512_storeu_ps(o + d0, _mm512_mul_ps(a0, s));
@@ -107,9 +138,10 @@ static void weigh_values_64(const float *p, const float *v_cache, const int64_t 
         __m256 a[8];
         for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
         for (int t = 0; t < len; ++t) {
-            const float *v = v_cache + offs[t] + d0;
+            const int64_t v = offs[t] + d0;
             const __m256 pt = _mm256_set1_ps(p[t]);
-            for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), a[i]);
+            for (int i = 0; i < 8; ++i)
+                a[i] = _mm256_fmadd_ps(pt, kv_load8(v_cache, v + 8 * i, half), a[i]);
         }
         for (int i = 0; i < 8; ++i)
             _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(a[i], _mm256_set1_ps(inv)));
@@ -133,10 +165,11 @@ static inline void store_scores8(const __m256 a[8], float scale, float *out, flo
 #endif
 
 /* One token's G query heads (q, G * D) against the keys of its sequence up to `len`, into o.
- * `offs` [len]: scratch for each key's offset in the cache; `scores` [G, len]. */
-static void attend(const float *q, const float *k_cache, const float *v_cache,
-                   const int32_t *table, int len, int block_size, int64_t token_stride, int D,
-                   int G, float scale, float *scores, int64_t *offs, float *o) {
+ * `offs` [len]: scratch for each key's offset (in elements) in the cache; `scores` [G, len];
+ * the caches fp16 when `half`. */
+INLINE void attend(const float *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                   int len, int block_size, int64_t token_stride, int D, int G, float scale,
+                   float *scores, int64_t *offs, float *o, int half) {
     float mx[MAX_GROUP];
     for (int t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) /* each key's row in the pool */
         for (int t = t0; t < len && t < t0 + block_size; ++t)
@@ -153,7 +186,7 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
                 for (int d = 0; d < D; d += 16) {
                     const __m512 qv = _mm512_loadu_ps(qg + d);
                     for (int i = 0; i < 8; ++i)
-                        a[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k_cache + offs[t + i] + d), a[i]);
+                        a[i] = _mm512_fmadd_ps(qv, kv_load16(k_cache, offs[t + i] + d, half), a[i]);
                 }
                 __m256 h[8]; /* each key's 16 lanes folded to 8 */
                 for (int i = 0; i < 8; ++i)
@@ -174,7 +207,7 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
                 for (int d = 0; d < D; d += 8) {
                     const __m256 qv = _mm256_loadu_ps(qg + d);
                     for (int i = 0; i < 8; ++i)
-                        a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_cache + offs[t + i] + d), a[i]);
+                        a[i] = _mm256_fmadd_ps(qv, kv_load8(k_cache, offs[t + i] + d, half), a[i]);
                 }
                 store_scores8(a, scale, scores + (int64_t)g * len + t, &mx[g]);
             }
@@ -182,12 +215,12 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
     }
 #endif
     for (; t < len; ++t) { /* scores, over K (the keys left) */
-        const float *k = k_cache + offs[t];
+        const int64_t k = offs[t];
         for (int g = 0; g < G; ++g) {
             const float *qg = q + g * D;
             float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-            for (int d = 0; d < D; ++d) s += qg[d] * k[d];
+            for (int d = 0; d < D; ++d) s += qg[d] * kv_at(k_cache, k + d, half);
             s *= scale;
             scores[(int64_t)g * len + t] = s;
             if (s > mx[g]) mx[g] = s;
@@ -205,16 +238,17 @@ static void attend(const float *q, const float *k_cache, const float *v_cache,
         float *og = o + g * D;
 #if ISA_LEVEL > 0
         if (D % 64 == 0) {
-            weigh_values_64(sg, v_cache, offs, len, D, 1.0f / sum, og);
+            weigh_values_64(sg, v_cache, offs, len, D, 1.0f / sum, og, half);
             continue;
         }
 #endif
         {
             memset(og, 0, sizeof(float) * D);
             for (int t = 0; t < len; ++t) {
-                const float *v = v_cache + offs[t], pt = sg[t];
+                const int64_t v = offs[t];
+                const float pt = sg[t];
 #pragma omp simd
-                for (int d = 0; d < D; ++d) og[d] += pt * v[d];
+                for (int d = 0; d < D; ++d) og[d] += pt * kv_at(v_cache, v + d, half);
             }
             for (int d = 0; d < D; ++d) og[d] *= 1.0f / sum;
         }
@@ -378,14 +412,15 @@ static inline void store_item(Items *it, int64_t p, int64_t t, const float *loca
 
 /* 0 on success; -1 a shape it does not take (head_dim > 256 or odd, more than 16 query heads a KV
  * head, a width not a multiple of 32, more than DECODE_MAX_ROWS tokens); -2 no memory for the
- * scores or the items' bookkeeping; -3 an index out of range (nothing written). `redo_after_ns`:
+ * scores or the items' bookkeeping; -3 an index out of range (nothing written). `kv_half`: every
+ * layer's K and V caches are fp16, else fp32. `redo_after_ns`:
  * how long a thread that has taken a phase's last item waits before it redoes the open ones. */
 int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t *kinds,
                        int32_t hidden, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
                        int32_t ffn, float eps, float *x, int32_t T, const float *cos,
                        const float *sin, int32_t max_pos, const int64_t *positions,
                        const int64_t *slots, int64_t num_blocks, int32_t block_size,
-                       const int32_t *tables, int32_t num_seqs, int64_t table_stride,
+                       int32_t kv_half, const int32_t *tables, int32_t num_seqs, int64_t table_stride,
                        const int32_t *seq_idx, const int32_t *ctx_len, float scale, float *work,
                        int32_t num_threads, int64_t redo_after_ns) {
     const int D = head_dim, H = num_heads, KVH = num_kv_heads, G = H / KVH;
@@ -467,7 +502,8 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
             const uint8_t *w_qkv = (const uint8_t *)p[0], *w_o = (const uint8_t *)p[1];
             const uint8_t *w_gu = (const uint8_t *)p[2], *w_down = (const uint8_t *)p[3];
             const float *in_norm = (const float *)p[4], *post_norm = (const float *)p[5];
-            float *k_cache = (float *)p[6], *v_cache = (float *)p[7];
+            void *k_cache = (void *)p[6], *v_cache = (void *)p[7];
+            const int64_t kv_bytes = kv_half ? 2 : 4; /* an element of the caches */
             const int64_t ph = (int64_t)l * PHASES_PER_LAYER;
 #define IN_NORM(r)                                                                \
     do {                                                                          \
@@ -489,9 +525,8 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
             if (hd >= H) {                                                        \
                 const int kh = hd - H;                                            \
                 const int64_t slot = slots[r] * kv_size + kh * D;                 \
-                memcpy(k_cache + slot, local, sizeof(float) * D);                 \
-                memcpy(v_cache + slot, qkv_row + q_size + kv_size + kh * D,       \
-                       sizeof(float) * D);                                        \
+                kv_store(k_cache, slot, local, D, kv_half);                       \
+                kv_store(v_cache, slot, qkv_row + q_size + kv_size + kh * D, D, kv_half); \
             }                                                                     \
             stored(&items, ph + 2, (item), me);                                   \
         }                                                                         \
@@ -501,9 +536,16 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     do {                                                                          \
         const int r = (int)((item) / heads), hq = (int)((item) % heads) * group;  \
         const int kh = hq / G;                                                    \
-        attend(qkv + (int64_t)r * qkv_size + hq * D, k_cache + kh * D, v_cache + kh * D, \
-               tables + (int64_t)seq_idx[r] * table_stride, ctx_len[r], block_size, kv_size, \
-               D, group, scale, scores, offs, local);                             \
+        const float *qh = qkv + (int64_t)r * qkv_size + hq * D;                  \
+        const void *kc = (const char *)k_cache + kh * D * kv_bytes;               \
+        const void *vc = (const char *)v_cache + kh * D * kv_bytes;               \
+        const int32_t *table = tables + (int64_t)seq_idx[r] * table_stride;       \
+        if (kv_half)                                                              \
+            attend(qh, kc, vc, table, ctx_len[r], block_size, kv_size, D, group, scale, \
+                   scores, offs, local, 1);                                       \
+        else                                                                      \
+            attend(qh, kc, vc, table, ctx_len[r], block_size, kv_size, D, group, scale, \
+                   scores, offs, local, 0);                                       \
         store_item(&items, ph + 3, (item), local, att + (int64_t)r * q_size + hq * D, \
                    (int64_t)group * D, me);                                       \
     } while (0)

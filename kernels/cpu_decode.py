@@ -3,7 +3,8 @@
 A step of at most MAX_ROWS tokens on an fp32 GGUF model (decode rows, speculative drafts, short
 prefill chunks) runs every decoder layer in one C call and one OpenMP region: the block GEMV of
 each linear (cpu_quant_dot.h, the sums of kernels/cpu_quant_gemv.py bit for bit), and the norms,
-RoPE, K/V writes, attention and SwiGLU in fp32 between them, without the torch path's ~300 small
+RoPE, K/V writes, attention and SwiGLU in fp32 between them (the KV cache fp32 or fp16: K and V
+rounded to fp16 as they are stored, as torch's .to(float16), and read back widened), without the torch path's ~300 small
 ops, casts and allocations a step. `DecodeForward` holds a model's layers as the kernel's table
 of pointers and a preallocated work buffer. Its build and instruction-set levels are the GEMV's
 (AVX-512, AVX2 + FMA + F16C, plain C, chosen from the CPU's features at run time).
@@ -29,7 +30,8 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 16
 
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [_i32, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _f32, _ptr, _i32, _ptr, _ptr, _i32]
-_ARGTYPES += [_ptr, _ptr, _i64, _i32, _ptr, _i32, _i64, _ptr, _ptr, _f32, _ptr, _i32, _i64]
+_ARGTYPES += [_ptr, _ptr, _i64, _i32, _i32, _ptr, _i32, _i64, _ptr, _ptr, _f32, _ptr, _i32, _i64]
+KV_DTYPES = (torch.float32, torch.float16)  # the caches it reads and writes; fp16: rounded once
 # How long a thread that has taken a phase's last item waits for the others' before it redoes
 # what they still hold (a thread a stage preempted): a phase at 8 rows takes ~45 us, the threads'
 # natural skew a few. The engine alone and beside the pipeline: docs/benchmarks.md.
@@ -151,10 +153,15 @@ class DecodeForward:
             rows = []
             s = self.shape
             shape = (*kv_caches[0][0].shape[:2], s.num_kv_heads, s.head_dim)  # [NB, BS, KVH, D]
+            dtype = kv_caches[0][0].dtype
+            if dtype not in KV_DTYPES:
+                raise ValueError(f"KV caches of {dtype}: the fused forward takes {KV_DTYPES}")
             for ly, (k, v) in zip(self.layers, kv_caches, strict=True):
                 for c in (k, v):
-                    if c.dtype != torch.float32 or not c.is_contiguous() or c.device.type != "cpu":
-                        raise ValueError("the fused forward needs contiguous fp32 CPU KV caches")
+                    if c.dtype != dtype or not c.is_contiguous() or c.device.type != "cpu":
+                        raise ValueError(
+                            f"the fused forward needs contiguous CPU KV caches, all {dtype}"
+                        )
                     if tuple(c.shape) != shape:  # the kernel takes every layer's pool as one
                         raise ValueError(
                             f"KV caches of {tuple(c.shape)}: every one must be {shape}"
@@ -173,7 +180,7 @@ class DecodeForward:
         sin: Tensor,  # [max_pos, head_dim], the sign of the first half folded in
         positions: Tensor,  # [T] int64
         slots: Tensor,  # [T] int64
-        kv_caches: list[tuple[Tensor, Tensor]],  # per layer [blocks, block_size, KVH, D] fp32
+        kv_caches: list[tuple[Tensor, Tensor]],  # per layer [blocks, block_size, KVH, D]
         block_tables: Tensor,  # [S, W] int32 contiguous
         seq_idx: Tensor,  # [T] int32: each token's row of block_tables
         ctx_len: Tensor,  # [T] int32: keys it attends, its position + 1
@@ -205,10 +212,11 @@ class DecodeForward:
             raise ValueError("positions and slots must be int64, seq_idx and ctx_len int32")
         if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
             raise ValueError("block_tables must be contiguous int32")
+        table = self._pointers(kv_caches)
         num_blocks, block_size = kv_caches[0][0].shape[:2]
         status = lib.decode_forward_f32(
             len(self.layers),
-            self._pointers(kv_caches).data_ptr(),
+            table.data_ptr(),
             self.kinds.data_ptr(),
             s.hidden,
             s.num_heads,
@@ -225,6 +233,7 @@ class DecodeForward:
             slots.data_ptr(),
             num_blocks,
             block_size,
+            int(kv_caches[0][0].dtype == torch.float16),
             block_tables.data_ptr(),
             block_tables.shape[0],
             block_tables.shape[1],

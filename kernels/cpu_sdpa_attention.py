@@ -100,8 +100,11 @@ def _group_by_length(decodes: list[tuple[int, int, int]]) -> list[list[tuple[int
 SMALL_DECODE_KEYS = 4096  # below this many gathered keys per group: plain gather + SDPA
 
 
-def _gather_kv(g: _DecodeGroup, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
-    """The group's blocks as K and V [n, KVH, L, D] (L = nb * block_size).
+def _gather_kv(
+    g: _DecodeGroup, k_cache: Tensor, v_cache: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The group's blocks as K and V [n, KVH, L, D] (L = nb * block_size) in `dtype`, the
+    queries' (a 16-bit cache under an fp32 model is widened here).
 
     Small groups: fresh tensors, viewed head-major. Large ones: contiguous copies into buffers
     made by the first layer and reused by the rest (fresh multi-MB allocations page-fault).
@@ -112,12 +115,14 @@ def _gather_kv(g: _DecodeGroup, k_cache: Tensor, v_cache: Tensor) -> tuple[Tenso
     token_major = (n, nb * block_size, num_kv_heads, head_dim)
     if n * nb * block_size < SMALL_DECODE_KEYS:
         return tuple(
-            c.index_select(0, flat).view(token_major).transpose(1, 2) for c in (k_cache, v_cache)
+            c.index_select(0, flat).view(token_major).transpose(1, 2).to(dtype)
+            for c in (k_cache, v_cache)
         )
     if g.workspace is None:
         staging = k_cache.new_empty(n * nb, block_size, num_kv_heads, head_dim)
         shape = (n, num_kv_heads, nb * block_size, head_dim)
-        g.workspace = (staging, k_cache.new_empty(shape), k_cache.new_empty(shape))
+        outs = (torch.empty(shape, dtype=dtype, device=k_cache.device) for _ in "kv")
+        g.workspace = (staging, *outs)
     staging, k_out, v_out = g.workspace
     for cache, out in ((k_cache, k_out), (v_cache, v_out)):
         torch.index_select(cache, 0, flat, out=staging)
@@ -143,7 +148,7 @@ def paged_attention_sdpa(
     for g in plan.decodes:
         qd = q if g.rows is None else q[g.rows]
         nd = g.blocks.shape[0]
-        kd, vd = _gather_kv(g, k_cache, v_cache)  # [nd, KVH, L, D] each
+        kd, vd = _gather_kv(g, k_cache, v_cache, q.dtype)  # [nd, KVH, L, D] each
         qd = qd.view(nd, num_kv_heads, group_size, head_dim)  # a KV head's queries share its keys
         if q.dtype == torch.float32 or g.workspace is None:
             # fp32: the same kernel transformers uses (exactness); small groups: one op is cheapest
@@ -173,8 +178,9 @@ def paged_attention_sdpa(
                 torch.index_select(cache, 0, p.blocks, out=buf)
                 .flatten(0, 1)[:ctx_len]
                 .transpose(0, 1)
+                .to(q.dtype)
                 for cache, buf in zip((k_cache, v_cache), p.workspace, strict=True)
-            )  # [KVH, ctx_len, D] each
+            )  # [KVH, ctx_len, D] each, in q's dtype
         # 4-D inputs (a batch of one) take torch's fused CPU kernel; 3-D ones fall back to the
         # unfused math path, ~2.7x slower for a 512-token chunk over a 2048-token context
         mask = None if p.mask is None else p.mask[None, None]  # [1, 1, ql, ctx_len]

@@ -322,7 +322,15 @@ CHUNK_OVERLAP = declare(Setting[int](
 DTYPE = declare(Setting[str](
     name="BRIGADE_DTYPE", kind="str", default="float32",
     choices=("float32", "bfloat16", "float16"),
-    help="dtype of the engine's weights and KV cache",
+    help="dtype of the engine's weights (and of its KV cache, unless BRIGADE_KV_CACHE_DTYPE)",
+    readers=("engine",),
+))  # fmt: skip
+KV_CACHE_DTYPE = declare(Setting[str](
+    name="BRIGADE_KV_CACHE_DTYPE", kind="str", default="auto",
+    choices=("auto", "float32", "bfloat16", "float16"),
+    help="element type of the engine's KV cache: `auto`, the model's dtype; `float16` under the "
+    "float32 model on the CPU: K and V rounded to fp16 as they are stored (half the bytes a step "
+    "reads, twice the tokens a budget holds)",
     readers=("engine",),
 ))  # fmt: skip
 DEVICE = declare(Setting[str](

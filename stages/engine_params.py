@@ -150,6 +150,7 @@ def engine_config_from_env() -> Any:
         kwargs["model"] = models.engine_model().artifact
     for setting, name in (
         (settings.DTYPE, "dtype"),
+        (settings.KV_CACHE_DTYPE, "kv_cache_dtype"),
         (settings.DEVICE, "device"),
         (settings.KV_CACHE_BYTES, "kv_cache_memory_bytes"),
         (settings.NUM_KV_BLOCKS, "num_kv_blocks"),

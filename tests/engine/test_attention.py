@@ -70,6 +70,47 @@ def test_paged_attend_writes_slots_and_matches_dense_attention(dtype):
     torch.testing.assert_close(out, torch.cat([expected_a, expected_b]), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("cached", [0, 5], ids=["a whole prompt", "a chunk and a decode"])
+def test_an_fp16_cache_under_fp32_stores_rounded_kv_and_every_token_attends_them(cached):
+    """fp32 queries over an fp16 cache: this step's K and V are stored rounded, and attended
+    rounded too (a whole prompt reads its own k, v, not the cache), so the output is fp32
+    attention over the fp16 values, whichever step computed them."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, new = 4, 2, 8, 3
+    k_cache = torch.zeros(6, BLOCK_SIZE, kv_heads, dim, dtype=torch.float16)
+    v_cache = torch.zeros_like(k_cache)
+    ctx_k, ctx_v = torch.randn(2, cached, kv_heads, dim).half().float()
+    table = [3, 1, 4]
+    slot = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached + new)]
+    for p in range(cached):
+        k_cache.view(-1, kv_heads, dim)[slot[p]] = ctx_k[p].half()
+        v_cache.view(-1, kv_heads, dim)[slot[p]] = ctx_v[p].half()
+    q, k, v = (
+        torch.randn(new, heads, dim),
+        torch.randn(new, kv_heads, dim),
+        torch.randn(new, kv_heads, dim),
+    )
+    attn = metadata([new], [cached + new], [table], slot[cached:])
+    plan = prepare_attention(attn, q.device, torch.float32)
+    assert plan.sdpa is not None
+    out = paged_attend(q, k, v, (k_cache, v_cache), plan, dim**-0.5)
+
+    assert out.dtype == torch.float32
+    flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+    assert torch.equal(flat_k[slot[cached:]], k.half()) and torch.equal(
+        flat_v[slot[cached:]], v.half()
+    )
+    keys = torch.cat([ctx_k, k.half().float()]).repeat_interleave(2, 1)
+    values = torch.cat([ctx_v, v.half().float()]).repeat_interleave(2, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * dim**-0.5
+    causal = torch.arange(cached + new)[None, :] > torch.arange(cached, cached + new)[:, None]
+    want = torch.einsum("hqk,khd->qhd", scores.masked_fill(causal, -torch.inf).softmax(-1), values)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    unrounded = torch.cat([ctx_k, k]).repeat_interleave(2, 1)  # what an fp32 cache would hold
+    s2 = torch.einsum("qhd,khd->hqk", q, unrounded) * dim**-0.5
+    assert not torch.allclose(s2, scores, atol=1e-6, rtol=0)  # so the rounding is seen
+
+
 @pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler for the CPU kernel")
 def test_bf16_plan_gives_every_token_its_own_causal_context():
     attn = metadata(

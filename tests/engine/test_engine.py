@@ -5,6 +5,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from tests.engine.tiny_llama import write_tiny_llama
@@ -392,6 +393,49 @@ def test_engine_config_is_validated():
         EngineConfig(block_size=0)
     with pytest.raises(ValueError, match="EngineConfig.num_kv_blocks=0; allowed: None or >= 1"):
         EngineConfig(num_kv_blocks=0)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'; allowed: auto, float32, bfloat16"):
+        EngineConfig(kv_cache_dtype="fp8")
+    for refused in (
+        {"dtype": "bfloat16", "kv_cache_dtype": "float16"},
+        {"kv_cache_dtype": "bfloat16"},
+        {"kv_cache_dtype": "float16", "device": "cuda"},
+        {"kv_cache_dtype": "float16", "batch_invariant": True},
+    ):
+        with pytest.raises(ValueError, match="float16 under float32, on the CPU, without batch"):
+            EngineConfig(**refused)
+    EngineConfig(kv_cache_dtype="float32")  # the model's own dtype, named
+    EngineConfig(dtype="bfloat16", kv_cache_dtype="bfloat16")
+
+
+def test_an_fp16_kv_cache_holds_twice_the_tokens_and_answers_as_fp32(tiny_dir):
+    """The same budget holds twice the blocks of fp16; the tiny model (torch's SDPA over the
+    gathered blocks, widened to fp32) greedily answers eight prompts as with the fp32 cache."""
+    budget = {"num_kv_blocks": None, "kv_cache_memory_bytes": 1 << 20}
+    wide = tiny_engine(tiny_dir, **budget)
+    half = tiny_engine(tiny_dir, kv_cache_dtype="float16", **budget)
+    assert half.block_manager.num_blocks == 2 * wide.block_manager.num_blocks
+    assert {c.dtype for kv in half.kv_cache.kv_caches for c in kv} == {torch.float16}
+    assert half.kv_cache.nbytes == wide.kv_cache.nbytes
+    toks = prompts(PROMPT_LENS, wide.model_config.vocab_size)
+    assert run_all(half, toks, GREEDY) == run_all(wide, toks, GREEDY)
+
+
+@pytest.mark.parametrize("fused_decode", [True, False], ids=["fused", "layer by layer"])
+def test_smollm2_with_an_fp16_kv_cache_answers_as_with_fp32(fused_decode):
+    """SmolLM2's greedy tokens for eight prompts, decoded together, on the fused forward (its
+    C stores and reads of fp16) and layer by layer: those of the fp32 cache."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    wide = Engine(EngineConfig(dtype="float32", num_kv_blocks=64))
+    half = Engine(
+        EngineConfig(
+            dtype="float32", num_kv_blocks=64, kv_cache_dtype="float16", fused_decode=fused_decode
+        )
+    )
+    assert (half.model.fused is not None) == fused_decode
+    toks = [wide.tokenizer.encode(t) for t in TEXTS]
+    want, _ = run_all(wide, toks, params)
+    assert run_all(half, toks, params)[0] == want
+    assert wide.tokenizer.decode(want[0]).strip().startswith("Paris")
 
 
 def continued(engine, prompt, params, cut, rid):

@@ -4,6 +4,7 @@ top-1 >= 99 % and mean KL <= 0.001, on the prefill path and on the decode path."
 
 import pytest
 
+from engine.engine import DTYPES
 from engine.loader import load_model, read_gguf
 from engine.tokenizer import load_tokenizer
 from engine.weights import resolve_model
@@ -37,9 +38,13 @@ def default_scores():
         quantization=d["quantization"],
         batch_invariant=d["batch_invariant"],
         quantized_gemv=d["quantized_gemv"],
+        fused_decode=d["fused_decode"],
     )
+    kv = None if d["kv_cache_dtype"] == "auto" else DTYPES[d["kv_cache_dtype"]]
     try:
-        yield teacher_forced(model, ref, segments, spec_tokens=d["num_speculative_tokens"])
+        yield teacher_forced(
+            model, ref, segments, spec_tokens=d["num_speculative_tokens"], kv_dtype=kv
+        )
     finally:
         ref.close()
 

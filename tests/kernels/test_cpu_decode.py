@@ -7,6 +7,10 @@ largest |torch|), elementwise, on the last layer's residual stream and on every 
 fp32 sum's rounding scales with its terms, of the row's order). Measured: ~1e-6 in most rows, up
 to 6e-5 in a row whose attention over the random keys is sharply peaked, with the plain loops as
 with the vector ones; a wrong head, slot, position or causal bound is O(1).
+
+With fp16 caches both paths store K and V rounded and attend the rounded values: the kernel's
+rounding is torch's bit for bit on the same fp32 values, and the two paths' K and V, whose fp32
+sums differ in order, are held to the fp32 bound plus one fp16 step.
 """
 
 from __future__ import annotations
@@ -84,13 +88,14 @@ def model(request) -> LlamaForCausalLM:
 
 
 def random_caches(
-    seed: int, head_dim: int, kv_heads: int = KV_HEADS
+    seed: int, head_dim: int, kv_heads: int = KV_HEADS, dtype: torch.dtype = torch.float32
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every layer's K and V pool filled with random values: the keys before a step's tokens."""
     g = torch.Generator().manual_seed(seed)
     shape = (NUM_BLOCKS, BLOCK, kv_heads, head_dim)
     return [
-        (torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(LAYERS)
+        (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+        for _ in range(LAYERS)
     ]
 
 
@@ -137,10 +142,13 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert worst <= 0, f"worst error {worst:.3g} over the bound"
 
 
-def run_both(model: LlamaForCausalLM, queries: list[tuple[int, int]], lib=None):
+def run_both(
+    model: LlamaForCausalLM, queries: list[tuple[int, int]], lib=None, kv_dtype=torch.float32
+):
     ids, positions, attn = step(queries)
     d, kvh = model.config.head_dim, model.config.num_kv_heads
-    fused_caches, torch_caches = random_caches(1, d, kvh), random_caches(1, d, kvh)
+    fused_caches = random_caches(1, d, kvh, kv_dtype)
+    torch_caches = random_caches(1, d, kvh, kv_dtype)
     fused = model.fused
     assert fused is not None
     if lib is None:
@@ -177,8 +185,10 @@ def test_the_fused_forward_is_the_torch_paths_up_to_summation_order(model, case)
     assert_matches_torch(model, CASES[case])
 
 
-def assert_matches_torch(model: LlamaForCausalLM, queries: list[tuple[int, int]]) -> None:
-    got, want, fused_caches, torch_caches, attn = run_both(model, queries)
+def assert_matches_torch(
+    model: LlamaForCausalLM, queries: list[tuple[int, int]], kv_dtype=torch.float32
+) -> None:
+    got, want, fused_caches, torch_caches, attn = run_both(model, queries, kv_dtype=kv_dtype)
     assert got.shape == want.shape == (sum(attn.query_lens_cpu), HIDDEN)
     assert_close(got, want)
     logits_got, logits_want = model.compute_logits(got), model.compute_logits(want)
@@ -186,11 +196,39 @@ def assert_matches_torch(model: LlamaForCausalLM, queries: list[tuple[int, int]]
     slots = attn.slot_mapping
     for (kf, vf), (kt, vt) in zip(fused_caches, torch_caches, strict=True):
         for f, t in ((kf, kt), (vf, vt)):
+            assert f.dtype == t.dtype == kv_dtype
             flat_f, flat_t = f.view(-1, *f.shape[2:]), t.view(-1, *t.shape[2:])
-            assert_close(flat_f[slots], flat_t[slots])  # this step's K (after RoPE) and V
+            if kv_dtype == torch.float16:  # the fp32 bound, plus one fp16 step
+                a, b = flat_f[slots].float(), flat_t[slots].float()
+                bound = 2e-4 * (1 + b.abs().amax(dim=-1, keepdim=True)) + b.abs() * 2**-10
+                assert ((a - b).abs() <= bound).all()
+            else:
+                assert_close(flat_f[slots], flat_t[slots])  # this step's K (after RoPE) and V
             keep = torch.ones(flat_f.shape[0], dtype=torch.bool)
             keep[slots] = False
             assert torch.equal(flat_f[keep], flat_t[keep])  # nothing else is written
+
+
+@pytest.mark.parametrize("case", ["decode rows of four contexts", "a prefill chunk beside decode rows",
+                                  "thirty-two rows"])  # fmt: skip
+def test_over_fp16_caches_it_is_the_torch_paths_too(model, case):
+    assert_matches_torch(model, CASES[case], kv_dtype=torch.float16)
+
+
+def test_its_fp16_stores_round_as_torch_does(model):
+    """Layer 0's K and V do not depend on the cache: over fp32 and fp16 caches the kernel
+    computes the same fp32 values, and stores into fp16 exactly torch's .to(float16) of them."""
+    ids, positions, attn = step(CASES["a prefill chunk beside decode rows"])
+    d, kvh = model.config.head_dim, model.config.num_kv_heads
+    wide = random_caches(1, d, kvh)
+    half = [(k.half(), v.half()) for k, v in wide]
+    model(ids, positions, wide, attn)
+    model(ids, positions, half, attn)
+    slots = attn.slot_mapping
+    for w, h in zip(wide[0], half[0], strict=True):
+        stored = h.view(-1, kvh, d)[slots]
+        assert torch.equal(stored, w.view(-1, kvh, d)[slots].half())
+        assert stored.float().abs().amax() > 0.5  # real values, not zeros
 
 
 def test_the_model_takes_it_only_for_steps_of_at_most_max_rows(model, monkeypatch):
@@ -263,6 +301,13 @@ def test_it_refuses_caches_and_inputs_of_another_shape(model):
     caches[1] = (caches[1][0][: NUM_BLOCKS // 2].contiguous(), caches[1][1])  # fewer blocks
     with pytest.raises(ValueError, match="every one must be"):
         model(ids, positions, caches, attn)
+    caches = random_caches(0, d, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="KV caches of torch.bfloat16: the fused forward takes"):
+        model(ids, positions, caches, attn)
+    caches = random_caches(0, d)
+    caches[1] = (caches[1][0].half(), caches[1][1].half())  # one layer's of another dtype
+    with pytest.raises(ValueError, match="all torch.float32"):
+        model(ids, positions, caches, attn)
     x = torch.zeros(1, HIDDEN // 2)
     seq, ctx = torch.zeros(1, dtype=torch.int32), (positions + 1).to(torch.int32)
     with pytest.raises(ValueError, match="x must be"):
@@ -296,8 +341,9 @@ def test_an_index_out_of_range_is_refused_before_anything_is_written(model):
         assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32 KV", "fp16 KV"])
 @pytest.mark.parametrize("level", qg.ISA_LEVELS)
-def test_each_forced_level_matches_the_torch_path(model, level):
+def test_each_forced_level_matches_the_torch_path(model, level, kv_dtype):
     if not qg.ISA_NEEDS[level] <= HERE and qg.is_x86():
         pytest.skip(f"this CPU lacks {sorted(qg.ISA_NEEDS[level] - HERE)}")
     cpu_decode.configure(DecodeOptions(isa=level))
@@ -307,7 +353,7 @@ def test_each_forced_level_matches_the_torch_path(model, level):
         if qg.is_x86():
             assert cpu_decode.library_isa(lib) == level  # the path it was asked for
         for case in ("decode rows of four contexts", "a prefill chunk beside decode rows"):
-            got, want, *_ = run_both(model, CASES[case], lib=lib)
+            got, want, *_ = run_both(model, CASES[case], lib=lib, kv_dtype=kv_dtype)
             assert_close(got, want)
     finally:
         cpu_decode.configure(DecodeOptions())

@@ -83,3 +83,24 @@ def test_plan_splits_decodes_of_very_different_lengths():
     one_group.decodes = [sdpa._DecodeGroup(rows, tables[rows].long(), mask, bias)]
     expected = sdpa.paged_attention_sdpa(q, k, v, k_cache, v_cache, one_group, 8**-0.5)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("decode_path", ["small", "buffered"])
+def test_fp32_queries_over_an_fp16_cache_are_fp32_attention_over_its_values(
+    decode_path, monkeypatch
+):
+    """The gathers widen an fp16 cache to the queries' fp32: the same bits as an fp32 cache
+    holding the same (fp16-representable) values, on both decode gathers and both prefills."""
+    if decode_path == "buffered":
+        monkeypatch.setattr(sdpa, "SMALL_DECODE_KEYS", 0)
+    query_lens, seq_lens = [1, 1, 15, 17], [1025, 17, 15, 40]
+    half = make_case(
+        query_lens, seq_lens, num_heads=9, num_kv_heads=3, block_size=16, dtype=torch.float16
+    )
+    qs, keys, values, k_cache, v_cache, tables = half
+    wide = ([q.float() for q in qs], [k.float() for k in keys], [v.float() for v in values])
+    mixed = (*wide, k_cache, v_cache, tables)
+    out = run_sdpa(mixed, query_lens, seq_lens, 16, 16**-0.5)
+    want = run_sdpa((*wide, k_cache.float(), v_cache.float(), tables), query_lens, seq_lens, 16,
+                    16**-0.5)  # fmt: skip
+    assert out.dtype == torch.float32 and torch.equal(out, want)

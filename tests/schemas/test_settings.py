@@ -115,6 +115,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_CHUNK_OVERLAP": 32,
         "BRIGADE_DTYPE": "float32",  # the quality set's targets (brigade bench quality)
         "BRIGADE_DEVICE": "cpu",
+        "BRIGADE_KV_CACHE_DTYPE": "auto",
         "BRIGADE_KV_CACHE_BYTES": 1 << 30,
         "BRIGADE_NUM_KV_BLOCKS": None,
         "BRIGADE_MAX_NUM_SEQS": 64,
@@ -182,10 +183,12 @@ def test_the_defaults_agree_with_the_configs_they_fill():
     assert engine.num_speculative_tokens == settings.NUM_SPECULATIVE_TOKENS.default
     assert engine.quantized_gemv == settings.QUANTIZED_GEMV.default
     assert engine.fused_decode == settings.FUSED_DECODE.default
+    assert engine.kv_cache_dtype == settings.KV_CACHE_DTYPE.default
     assert DEFAULT_KV_CACHE_BYTES == settings.KV_CACHE_BYTES.default
-    from engine.engine import DTYPES
+    from engine.engine import DTYPES, KV_CACHE_DTYPES
 
     assert set(settings.DTYPE.choices) == set(DTYPES)
+    assert set(settings.KV_CACHE_DTYPE.choices) == set(KV_CACHE_DTYPES)
     edge, admission = EdgeConfig(), AdmissionConfig()
     assert (edge.host, edge.port, edge.reconnect_grace_s) == (
         settings.EDGE_HOST.default, settings.EDGE_PORT.default,

@@ -96,6 +96,14 @@ def test_engine_config_from_the_environment(monkeypatch):
     monkeypatch.setenv("BRIGADE_FUSED_DECODE", "0")
     assert engine_config_from_env().fused_decode is False
     monkeypatch.delenv("BRIGADE_FUSED_DECODE")
+    assert engine_config_from_env().kv_cache_dtype == "auto"
+    monkeypatch.setenv("BRIGADE_KV_CACHE_DTYPE", "float16")
+    assert engine_config_from_env().kv_cache_dtype == "float16"
+    monkeypatch.setenv("BRIGADE_DTYPE", "bfloat16")  # a pair the engine refuses, and says why
+    with pytest.raises(ValueError, match="float16 under float32, on the CPU"):
+        engine_config_from_env()
+    monkeypatch.delenv("BRIGADE_DTYPE")
+    monkeypatch.delenv("BRIGADE_KV_CACHE_DTYPE")
     monkeypatch.setenv("BRIGADE_MAX_NUM_SEQS", "four")
     with pytest.raises(ValueError, match="BRIGADE_MAX_NUM_SEQS='four'"):
         engine_config_from_env()

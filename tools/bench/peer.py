@@ -143,6 +143,13 @@ def register(subparsers) -> None:
         "targets: float32 with block-GEMV decode)",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="Brigade's KV cache (default: the engine's default; float16 under float32 halves "
+        "the bytes attention reads)",
+    )
+    p.add_argument(
         "--quantization",
         default="auto",
         choices=("auto", "none", "int8", "int4"),
@@ -295,7 +302,8 @@ def markdown(res: dict) -> str:
         f"{threads} thread{'s' if threads != 1 else ''}; load average at start {load}"
         + ("; quick run" if res["quick"] else ""),
         "",
-        f"Brigade: {res.get('dtype', '?')}, weights {res.get('quantization') or 'dense'}"
+        f"Brigade: {res.get('dtype', '?')}, weights {res.get('quantization') or 'dense'}, "
+        f"KV cache {res.get('kv_cache_dtype', '?')}"
         + (
             f"; {rounds} rounds, llama.cpp's and Brigade's alternated: the medians, and each "
             "round's ratio"
@@ -396,9 +404,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"brigade bench peer: {skip_message(str(err))}", flush=True)
     torch.set_num_threads(args.threads)
     quantization = None if args.quantization == "none" else args.quantization
-    dtype = {"dtype": args.dtype} if args.dtype else {}  # else EngineConfig's default
+    dtype = {"dtype": args.dtype} if args.dtype else {}  # else EngineConfig's defaults
+    if args.kv_cache_dtype:
+        dtype["kv_cache_dtype"] = args.kv_cache_dtype
     engine = Engine(EngineConfig(model=args.model, quantization=quantization, **dtype))
     res["dtype"] = engine.config.dtype
+    res["kv_cache_dtype"] = str(engine.kv_dtype).removeprefix("torch.")
     res["quantization"] = getattr(engine.model, "quantization", None)
     if any(isinstance(m, GGUFLinear) for m in engine.model.modules()):
         res["quantization"] = "GGUF blocks: GEMV up to 32 rows, GEMM above"

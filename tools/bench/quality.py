@@ -44,6 +44,7 @@ class QualityConfig:
     enable_prefix_caching: bool = False
     quantized_gemv: bool = True  # fp32 GGUF decode on the Q4_1 / Q8_0 blocks (gguf_linear.py)
     fused_decode: bool = True  # and its steps of <= 32 tokens in one C call (cpu_decode.py)
+    kv_cache_dtype: str = "auto"  # the model's dtype, or float16 under float32
     engine_kwargs: dict = field(default_factory=dict)
 
     @property
@@ -56,6 +57,7 @@ class QualityConfig:
             "enable_prefix_caching": self.enable_prefix_caching,
             "quantized_gemv": self.quantized_gemv,
             "fused_decode": self.fused_decode,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }
 
 
@@ -67,9 +69,17 @@ def all_configs() -> list[QualityConfig]:
         label += " + GGUF blocks: GEMV up to 32 rows, GEMM above"
         if default["fused_decode"]:
             label += "; steps up to 32 tokens fused"
+    if default["kv_cache_dtype"] != "auto":
+        label += f"; {default['kv_cache_dtype']} KV cache"
     rows = [QualityConfig(f"default ({label})", **default)]
     rows.append(QualityConfig("float32 GGUF blocks, layer by layer (fused decode off)",
-                              fused_decode=False))  # fmt: skip
+                              **{**default, "fused_decode": False}))  # fmt: skip
+    for kv in ("auto", "float16"):
+        if kv != default["kv_cache_dtype"]:
+            name = f"float32 GGUF blocks, {'fp32' if kv == 'auto' else kv} KV cache"
+            rows.append(QualityConfig(name, **{**default, "kv_cache_dtype": kv}))
+            rows.append(QualityConfig(f"{name}, layer by layer",
+                        **{**default, "kv_cache_dtype": kv, "fused_decode": False}))  # fmt: skip
     for dtype in ("float32", "bfloat16", "float16"):
         rows.append(QualityConfig(f"{dtype} dense", dtype=dtype))
     rows.append(QualityConfig("float32 dense (dense decode)", quantized_gemv=False))
@@ -120,6 +130,7 @@ def _default_fields() -> dict:
         "enable_prefix_caching": c.enable_prefix_caching,
         "quantized_gemv": c.quantized_gemv,
         "fused_decode": c.fused_decode,
+        "kv_cache_dtype": c.kv_cache_dtype,
     }
 
 
@@ -161,22 +172,29 @@ def load_prompts(limit: int | None = None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
-def teacher_forced(model, ref, segments, *, spec_tokens: int) -> dict:
+def teacher_forced(model, ref, segments, *, spec_tokens: int, kv_dtype=None) -> dict:
     """Both paths of one model against the reference; with `spec_tokens` the decode path is the
-    verification of accepted drafts (streams x (1 + k) rows within 8)."""
+    verification of accepted drafts (streams x (1 + k) rows within 8); the KV cache in
+    `kv_dtype` (None: the model's)."""
     from tools.bench.quality_forced import forced_logits, score
 
     prefill = score(
         ref,
         segments,
-        forced_logits(model, segments, num_streams=1, tokens_per_step=PREFILL_CHUNK),
+        forced_logits(
+            model, segments, num_streams=1, tokens_per_step=PREFILL_CHUNK, kv_dtype=kv_dtype
+        ),
     )
     if spec_tokens:
         streams, per_step = max(1, DECODE_STREAMS // (1 + spec_tokens)), 1 + spec_tokens
     else:
         streams, per_step = DECODE_STREAMS, 1
     decode = score(
-        ref, segments, forced_logits(model, segments, num_streams=streams, tokens_per_step=per_step)
+        ref,
+        segments,
+        forced_logits(
+            model, segments, num_streams=streams, tokens_per_step=per_step, kv_dtype=kv_dtype
+        ),
     )
     decode["streams"], decode["tokens_per_step"] = streams, per_step
     return {"prefill": prefill, "decode": decode}
@@ -261,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from engine import Engine, EngineConfig
+    from engine.engine import DTYPES
     from engine.loader import load_model, read_gguf, read_hf_dir
     from engine.tokenizer import load_tokenizer
     from engine.weights import model_format, resolve_model
@@ -324,8 +343,9 @@ def run(args: argparse.Namespace) -> int:
                 quantized_gemv=c.quantized_gemv,
                 fused_decode=c.fused_decode,
             )
+            kv = None if c.kv_cache_dtype == "auto" else DTYPES[c.kv_cache_dtype]
             row["teacher_forced"] = teacher_forced(
-                model, ref, segments, spec_tokens=c.num_speculative_tokens
+                model, ref, segments, spec_tokens=c.num_speculative_tokens, kv_dtype=kv
             )
             del model
         engine = Engine(EngineConfig(**engine_common, **c.engine_fields))

@@ -42,9 +42,11 @@ def forced_logits(
     *,
     num_streams: int,
     tokens_per_step: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[int, int, Tensor]]:
     """Yield (segment index, first position, fp32 logits [n, vocab]) as the forwards run: groups
-    of `num_streams` segments share each step, each advancing `tokens_per_step` tokens."""
+    of `num_streams` segments share each step, each advancing `tokens_per_step` tokens; the KV
+    cache in `kv_dtype` (None: the model's)."""
     config = model.config
     longest = max(len(s) for s in segments)
     blocks_per_seq = -(-longest // BLOCK_SIZE)
@@ -52,7 +54,7 @@ def forced_logits(
         config,
         num_blocks=blocks_per_seq * num_streams,
         block_size=BLOCK_SIZE,
-        dtype=model.dtype,
+        dtype=kv_dtype or model.dtype,
         device=model.device,
     )
     for first in range(0, len(segments), num_streams):
