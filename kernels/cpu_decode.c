@@ -73,6 +73,15 @@ INLINE __m256 kv_load8(const void *c, int64_t i, int half) {
 }
 #endif
 
+/* Keys and values are read one head's D elements a token, strided by the token's row, from
+ * blocks the table scatters: too irregular for the hardware's prefetchers, so attention asks
+ * for each key's lines PREFETCH_KEYS keys ahead of the one it computes. */
+#define PREFETCH_KEYS 32
+INLINE void kv_prefetch(const void *c, int64_t i, int D, int half) {
+    const char *p = (const char *)c + i * (half ? 2 : 4);
+    for (int b = 0; b < D * (half ? 2 : 4); b += 64) __builtin_prefetch(p + b);
+}
+
 /* n fp32 values into a cache at element i, rounded to nearest-even fp16 when `half` */
 static void kv_store(void *c, int64_t i, const float *src, int n, int half) {
     if (!half) {
@@ -121,6 +130,7 @@ INLINE void weigh_values_64(const float *p, const void *v_cache, const int64_t *
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int t = 0; t < len; ++t) {
             const int64_t v = offs[t] + d0;
+            if (t + PREFETCH_KEYS < len) kv_prefetch(v_cache, offs[t + PREFETCH_KEYS] + d0, 64, half);
             const __m512 pt = _mm512_set1_ps(p[t]);
             a0 = _mm512_fmadd_ps(pt, kv_load16(v_cache, v, half), a0);
             a1 = _mm512_fmadd_ps(pt, kv_load16(v_cache, v + 16, half), a1);
@@ -139,6 +149,7 @@ INLINE void weigh_values_64(const float *p, const void *v_cache, const int64_t *
         for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
         for (int t = 0; t < len; ++t) {
             const int64_t v = offs[t] + d0;
+            if (t + PREFETCH_KEYS < len) kv_prefetch(v_cache, offs[t + PREFETCH_KEYS] + d0, 64, half);
             const __m256 pt = _mm256_set1_ps(p[t]);
             for (int i = 0; i < 8; ++i)
                 a[i] = _mm256_fmadd_ps(pt, kv_load8(v_cache, v + 8 * i, half), a[i]);
@@ -179,6 +190,8 @@ INLINE void attend(const float *q, const void *k_cache, const void *v_cache, con
 #if ISA_LEVEL == 2
     if (D % 16 == 0) { /* 8 keys at a time: 8 lane-wise dot products, then one transposing sum */
         for (; t + 8 <= len; t += 8) {
+            for (int i = PREFETCH_KEYS; i < PREFETCH_KEYS + 8 && t + i < len; ++i)
+                kv_prefetch(k_cache, offs[t + i], D, half);
             for (int g = 0; g < G; ++g) {
                 const float *qg = q + g * D;
                 __m512 a[8];
@@ -200,6 +213,8 @@ INLINE void attend(const float *q, const void *k_cache, const void *v_cache, con
 #elif ISA_LEVEL == 1
     if (D % 8 == 0) { /* the same, 8 lanes a vector */
         for (; t + 8 <= len; t += 8) {
+            for (int i = PREFETCH_KEYS; i < PREFETCH_KEYS + 8 && t + i < len; ++i)
+                kv_prefetch(k_cache, offs[t + i], D, half);
             for (int g = 0; g < G; ++g) {
                 const float *qg = q + g * D;
                 __m256 a[8];
