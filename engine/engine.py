@@ -77,9 +77,8 @@ class EngineConfig:
                 f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}; allowed: "
                 f"{', '.join(KV_CACHE_DTYPES)}"
             )
-        kv = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        if kv != self.dtype and not (
-            (self.dtype, kv) == ("float32", "float16")
+        if self.kv_dtype != self.dtype and not (
+            (self.dtype, self.kv_dtype) == ("float32", "float16")
             and self.device == "cpu"
             and not self.batch_invariant
         ):
@@ -104,6 +103,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"EngineConfig.{name}={value}; allowed: None or >= 1")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's element type, "auto" resolved to the model's dtype."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -144,9 +148,7 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.kv_dtype = DTYPES[
-            config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-        ]
+        self.kv_dtype = DTYPES[config.kv_dtype]
         self.model, self.model_config = load_model(
             config.model,
             dtype=self.dtype,

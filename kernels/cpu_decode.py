@@ -3,9 +3,9 @@
 A step of at most MAX_ROWS tokens on an fp32 GGUF model (decode rows, speculative drafts, short
 prefill chunks) runs every decoder layer in one C call and one OpenMP region: the block GEMV of
 each linear (cpu_quant_dot.h, the sums of kernels/cpu_quant_gemv.py bit for bit), and the norms,
-RoPE, K/V writes, attention and SwiGLU in fp32 between them (the KV cache fp32 or fp16: K and V
-rounded to fp16 as they are stored, as torch's .to(float16), and read back widened), without the torch path's ~300 small
-ops, casts and allocations a step. `DecodeForward` holds a model's layers as the kernel's table
+RoPE, K/V writes, attention and SwiGLU in fp32 between them, without the torch path's ~300 small
+ops, casts and allocations a step. The KV cache is fp32 or fp16 (KV_DTYPES): fp16 K and V are
+rounded once as they are stored, as torch's .to(float16) rounds them, and read back widened. `DecodeForward` holds a model's layers as the kernel's table
 of pointers and a preallocated work buffer. Its build and instruction-set levels are the GEMV's
 (AVX-512, AVX2 + FMA + F16C, plain C, chosen from the CPU's features at run time).
 No compiler, or `enabled=False`: `load()` returns None and the model runs layer by layer.

@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
         dtype["kv_cache_dtype"] = args.kv_cache_dtype
     engine = Engine(EngineConfig(model=args.model, quantization=quantization, **dtype))
     res["dtype"] = engine.config.dtype
-    res["kv_cache_dtype"] = str(engine.kv_dtype).removeprefix("torch.")
+    res["kv_cache_dtype"] = engine.config.kv_dtype
     res["quantization"] = getattr(engine.model, "quantization", None)
     if any(isinstance(m, GGUFLinear) for m in engine.model.modules()):
         res["quantization"] = "GGUF blocks: GEMV up to 32 rows, GEMM above"
