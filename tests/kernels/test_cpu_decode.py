@@ -134,10 +134,11 @@ def step(
     return torch.tensor(ids), torch.tensor(positions), attn
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_close(got: torch.Tensor, want: torch.Tensor, steps: float = 0.0) -> None:
+    """Equal up to fp32 summation order, plus `steps` of the row's largest (a relative error)."""
     assert torch.isfinite(got).all()
     scale = want.abs().amax(dim=-1, keepdim=True)  # each row's terms are of its largest's order
-    bound = 2e-4 * (1 + scale)
+    bound = 2e-4 * (1 + scale) + steps * scale
     worst = float(((got - want).abs() - bound).max())
     assert worst <= 0, f"worst error {worst:.3g} over the bound"
 
@@ -190,7 +191,10 @@ def assert_matches_torch(
 ) -> None:
     got, want, fused_caches, torch_caches, attn = run_both(model, queries, kv_dtype=kv_dtype)
     assert got.shape == want.shape == (sum(attn.query_lens_cpu), HIDDEN)
-    assert_close(got, want)
+    # over fp16 caches a K or V whose fp32 value differs in its last bits between the paths
+    # (summation order) may round to the neighbouring fp16 value, 2^-10 of its size, and the
+    # layers after carry that on: two such steps of each row's largest value are allowed
+    assert_close(got, want, steps=2**-9 if kv_dtype == torch.float16 else 0.0)
     logits_got, logits_want = model.compute_logits(got), model.compute_logits(want)
     assert torch.equal(logits_got.argmax(-1), logits_want.argmax(-1))
     slots = attn.slot_mapping
