@@ -42,4 +42,27 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
+#if ISA_LEVEL == 1
+/* One block's 32 weights -> 4 vectors of 8, each widened straight from memory (vpmovzxbd /
+ * vpmovsxbd with a load: no shuffles to split the 16 bytes first); Q8_0 d * q,
+ * Q4_1 fma(d, q, m), q[i] the low nibble of byte i and q[i + 16] its high nibble. */
+static inline __attribute__((always_inline)) void rebuild_block8(const int Q8, const uint8_t *blk,
+                                                                 __m256 wv[4]) {
+    const __m256 d = _mm256_set1_ps(half_to_float(blk));
+    if (Q8) {
+        for (int k = 0; k < 4; ++k)
+            wv[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                         _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * k)))));
+    } else {
+        const __m256 m = _mm256_set1_ps(half_to_float(blk + 2));
+        const __m256i low4 = _mm256_set1_epi32(0x0f);
+        const __m256i e0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 4)));
+        const __m256i e1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 12)));
+        const __m256i q[4] = {_mm256_and_si256(e0, low4), _mm256_and_si256(e1, low4),
+                              _mm256_srli_epi32(e0, 4), _mm256_srli_epi32(e1, 4)};
+        for (int k = 0; k < 4; ++k) wv[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[k]), m);
+    }
+}
+#endif
+
 #endif

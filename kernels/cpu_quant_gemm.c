@@ -83,26 +83,9 @@ static inline void dequantize_row(const int Q8, const uint8_t *w, int nb, float 
                              _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m));
         }
 #elif ISA_LEVEL == 1
-        const __m256 d = _mm256_set1_ps(half_to_float(blk));
-        if (Q8) {
-            const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
-            const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
-            const __m128i parts[4] = {q0, _mm_srli_si128(q0, 8), q1, _mm_srli_si128(q1, 8)};
-            for (int k = 0; k < 4; ++k)
-                _mm256_storeu_ps(o + 8 * k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(
-                                                                 _mm256_cvtepi8_epi32(parts[k]))));
-        } else {
-            const __m256 m = _mm256_set1_ps(half_to_float(blk + 2));
-            const __m128i low4 = _mm_set1_epi8(0x0f);
-            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
-            const __m128i lo = _mm_and_si128(qs, low4);
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
-            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-            for (int k = 0; k < 4; ++k)
-                _mm256_storeu_ps(o + 8 * k, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(
-                                                                   _mm256_cvtepu8_epi32(parts[k])),
-                                                             m));
-        }
+        __m256 wv[4];
+        rebuild_block8(Q8, blk, wv);
+        for (int k = 0; k < 4; ++k) _mm256_storeu_ps(o + 8 * k, wv[k]);
 #else
         const float d = half_to_float(blk);
         if (Q8) {
