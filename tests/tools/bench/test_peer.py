@@ -282,9 +282,14 @@ def test_the_prefill_ceiling_is_the_projections_flops_over_the_fma_peak():
     config = ModelConfig.from_gguf_metadata(header.metadata, has_output_weight=False)
     from kernels.cpu_fma_peak import fma_peak
 
-    one, two = fma_peak(threads=1, seconds=0.05), fma_peak(threads=2, seconds=0.05)
-    assert 1e9 < one < 1e12  # flops a second: 1 to 1,000 GFLOP/s a core
-    assert two > 1.2 * one  # the units of two cores (the machine has at least two)
+    # the units of two cores (the machine has at least two): up to three tries, since another
+    # process that takes a core for a moment (the suite's own servers) leaves one core's units
+    for _ in range(3):
+        one, two = fma_peak(threads=1, seconds=0.05), fma_peak(threads=2, seconds=0.05)
+        assert 1e9 < one < 1e12  # flops a second: 1 to 1,000 GFLOP/s a core
+        if two > 1.2 * one:
+            break
+    assert two > 1.2 * one
     row = peer.prefill_ceiling_row(config, flops_s=100e9, llama={"pp512": 400.0})
     # SmolLM2-135M: 30 layers of 576 x (576 + 2 * 192) + 576 x 576 + 3 x 576 x 1536 weights
     per_token = 2 * 30 * (576 * 960 + 576 * 576 + 3 * 576 * 1536)
