@@ -15,6 +15,33 @@
 
 #if ISA_LEVEL == 2
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+/* Two output features (rows of blocks w and w + row_bytes) against one row of x -> sums[2]:
+ * each feature's sum exactly dot_row's at R = 1 (two accumulators, the same weights and FMAs
+ * in the same order), the two interleaved so four FMA chains run, not two (one row's are
+ * latency-bound). */
+static inline __attribute__((always_inline)) void dot_pair(const int Q8, const uint8_t *w,
+                                                           int64_t row_bytes, int nb,
+                                                           const float *x, float *sums) {
+    const int block_bytes = Q8 ? Q8_0_BYTES : Q4_1_BYTES;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    for (int b = 0; b < nb; ++b) {
+        __m512 wa[2], wb[2];
+        /* the next pair's blocks, as far ahead: see the AVX2 level's */
+        __builtin_prefetch(w + 2 * row_bytes + (int64_t)b * block_bytes);
+        __builtin_prefetch(w + 3 * row_bytes + (int64_t)b * block_bytes);
+        rebuild_block16(Q8, 1, w + (int64_t)b * block_bytes, wa);
+        rebuild_block16(Q8, 1, w + row_bytes + (int64_t)b * block_bytes, wb);
+        const float *xb = x + (int64_t)b * QK;
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        a0 = _mm512_fmadd_ps(wa[0], x0, a0);
+        b0 = _mm512_fmadd_ps(wb[0], x0, b0);
+        a1 = _mm512_fmadd_ps(wa[1], x1, a1);
+        b1 = _mm512_fmadd_ps(wb[1], x1, b1);
+    }
+    sums[0] = hsum(_mm512_add_ps(a0, a1));
+    sums[1] = hsum(_mm512_add_ps(b0, b1));
+}
 #elif ISA_LEVEL == 1
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -62,34 +89,10 @@ static inline __attribute__((always_inline)) void dot_row(
 #if ISA_LEVEL == 2
     __m512 acc0[MAX_ROWS], acc1[MAX_ROWS];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m128i low4 = _mm_set1_epi8(0x0f);
     for (int b = 0; b < nb; ++b) {
-        const uint8_t *blk = w + (int64_t)b * block_bytes;
-        const __m512 d = _mm512_set1_ps(half_to_float(blk));
-        __m512 w0, w1;  /* weights 0..15 and 16..31 of the block */
-        if (Q8) {
-            const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
-            const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
-            w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
-            w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
-        } else if (R <= TABLE_ROWS) {
-            /* the block's 16 values fma(d, q, m) once, then each weight looked up by its code:
-             * the same fp32 value as unpacking every code and its fma, in 5 instructions not 9
-             * (a permute reads the low 4 bits of its index: the low nibble as it is). Past
-             * TABLE_ROWS rows the permutes' port is the busier one: unpacked as below. */
-            const __m512 table = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(half_to_float(blk + 2)));
-            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 4)));
-            w0 = _mm512_permutexvar_ps(q, table);
-            w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
-        } else {
-            const __m512 m = _mm512_set1_ps(half_to_float(blk + 2));
-            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
-            const __m128i lo = _mm_and_si128(qs, low4);
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
-            w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m);
-            w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m);
-        }
+        __m512 wv[2]; /* weights 0..15 and 16..31 of the block */
+        rebuild_block16(Q8, R <= TABLE_ROWS, w + (int64_t)b * block_bytes, wv);
+        const __m512 w0 = wv[0], w1 = wv[1];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
             const float *xb = x + r * x_stride + (int64_t)b * QK;
@@ -175,7 +178,7 @@ static inline __attribute__((always_inline)) int tile_sums(
     const int64_t tile_size = tile_size_of(out_features), o0 = t * tile_size;
     const int n = out_features - o0 < tile_size ? (int)(out_features - o0) : (int)tile_size;
     int j = 0;
-#if ISA_LEVEL == 1
+#if ISA_LEVEL > 0
     if (group == 1) /* a decode step's one row: features in pairs */
         for (; j + 1 < n; j += 2) {
             float sums[2];

@@ -65,23 +65,10 @@ static inline void dequantize_row(const int Q8, const uint8_t *w, int nb, float 
         const uint8_t *blk = w + (int64_t)b * block_bytes;
         float *o = out + (int64_t)b * QK;
 #if ISA_LEVEL == 2
-        const __m512 d = _mm512_set1_ps(half_to_float(blk));
-        if (Q8) {
-            const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
-            const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
-            _mm512_storeu_ps(o, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0))));
-            _mm512_storeu_ps(o + 16,
-                             _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1))));
-        } else {
-            const __m512 m = _mm512_set1_ps(half_to_float(blk + 2));
-            const __m128i low4 = _mm_set1_epi8(0x0f);
-            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 4));
-            const __m128i lo = _mm_and_si128(qs, low4);
-            const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), m));
-            _mm512_storeu_ps(o + 16,
-                             _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), m));
-        }
+        __m512 wv[2];
+        rebuild_block16(Q8, 0, blk, wv);
+        _mm512_storeu_ps(o, wv[0]);
+        _mm512_storeu_ps(o + 16, wv[1]);
 #elif ISA_LEVEL == 1
         __m256 wv[4];
         rebuild_block8(Q8, blk, wv);
