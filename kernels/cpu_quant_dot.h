@@ -93,7 +93,7 @@ static inline __attribute__((always_inline)) void dot_row(
         __m512 wv[2]; /* weights 0..15 and 16..31 of the block */
         /* past one row, the next feature's row, as far ahead: a row is a few cache lines, too
          * short a stream for the hardware prefetcher, and a step's weights come from DRAM (8
-         * streams 1.12x; one row, whose features go in pairs, lost 8 % to it) */
+         * streams 1.12-1.19x); one row goes in pairs (dot_pair), which prefetch their own */
         if (R > 1) __builtin_prefetch(w + (int64_t)(nb + b) * block_bytes);
         rebuild_block16(Q8, R <= TABLE_ROWS, w + (int64_t)b * block_bytes, wv);
         const __m512 w0 = wv[0], w1 = wv[1];
