@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -220,22 +221,27 @@ class NatsCluster:
         return found
 
     def meta_leader(self) -> str | None:
-        """The meta leader's node name, as the running nodes report it (None mid-election)."""
-        for jsz in self._jsz():
-            leader = (jsz.get("meta_cluster") or {}).get("leader")
-            if leader and self._running(leader):
-                return leader
-        return None
+        """The meta leader's node name, when every running node that names one names the same
+        running node (None mid-election, or while a stepdown is still spreading)."""
+        return self._agreed((jsz.get("meta_cluster") or {}).get("leader") for jsz in self._jsz())
 
     def stream_leader(self, stream: str) -> str | None:
-        """The node that leads `stream`'s raft group (None when no running node reports one)."""
-        for jsz in self._jsz("?streams=true"):
-            for account in jsz.get("account_details") or []:
-                for detail in account.get("stream_detail") or []:
-                    leader = (detail.get("cluster") or {}).get("leader")
-                    if detail.get("name") == stream and leader and self._running(leader):
-                        return leader
-        return None
+        """The node that leads `stream`'s raft group, when the running nodes that report the
+        stream agree on it (None otherwise: one node's stale view is not a leader)."""
+        return self._agreed(
+            (detail.get("cluster") or {}).get("leader")
+            for jsz in self._jsz("?streams=true")
+            for account in jsz.get("account_details") or []
+            for detail in account.get("stream_detail") or []
+            if detail.get("name") == stream
+        )
+
+    def _agreed(self, reports: Iterable[str | None]) -> str | None:
+        named = {leader for leader in reports if leader}
+        if len(named) != 1:
+            return None
+        (leader,) = named
+        return leader if self._running(leader) else None
 
     def consumer_leaders(self) -> dict[str, str]:
         """`stream/durable` -> the node leading that durable consumer's raft group (each has its
@@ -255,6 +261,8 @@ class NatsCluster:
     def follower(self, *streams: str) -> str:
         """A running node that leads neither the meta group nor any of `streams`."""
         leaders = {self.meta_leader(), *(self.stream_leader(s) for s in streams)}
+        if None in leaders:
+            raise RuntimeError("a leader is being elected: no node is surely a follower yet")
         for node in self.nodes:
             if node.pid is not None and node.name not in leaders:
                 return node.name
