@@ -306,6 +306,7 @@ static int indices_in_range(int32_t T, const int64_t *positions, int32_t max_pos
  * threads do (tests/kernels/test_cpu_decode.py: any thread count, every item raced for). */
 #define PHASES_PER_LAYER 9
 #define DECODE_MAX_ROWS 32 /* a step's tokens (kernels/cpu_decode.py MAX_ROWS) */
+_Static_assert(DECODE_MAX_ROWS <= ROWS_MAX, "a step's rows go through a tile in one call");
 #define LINE 8 /* int64s a cache line: each thread's counters on a line of their own */
 typedef struct {
     int nt;          /* the region's threads */
@@ -391,18 +392,14 @@ static inline int item_open(Items *it, int64_t p, int64_t t) {
     } while (0)
 
 /* Tile t of y = x W^T (ADD: y += x W^T) over T <= DECODE_MAX_ROWS rows, as an item of phase p:
- * every row group's sums (gemv_tiles' own), then the store if this thread claims it. */
+ * the tile's sums for every row (tile_sums_rows, the GEMV's own), then the store if this thread
+ * claims it. */
 static inline __attribute__((always_inline)) void gemv_item(
     const int Q8, const int ADD, const uint8_t *w, int64_t out_features, int64_t in_features,
     const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride, Items *it,
     int64_t p, int64_t t, int me) {
-    float tile[DECODE_MAX_ROWS][TILE];
-    int n = 0;
-    for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
-        const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;
-        n = tile_sums(Q8, w, out_features, in_features, x + (int64_t)g0 * x_stride, x_stride,
-                      group, t, tile + g0);
-    }
+    float tile[ROWS_MAX][TILE];
+    const int n = tile_sums_rows(Q8, w, out_features, in_features, x, x_stride, rows, t, tile);
     if (!claim_store(it, p, t)) return;
     tile_store(ADD, out_features, tile, rows, n, y, y_stride, t);
     stored(it, p, t, me);

@@ -5,8 +5,8 @@
  *
  * Each y value is one thread's sum, so a row's result does not depend on the thread count or on
  * the other rows. Rows go in groups of MAX_ROWS through each tile of output features (its blocks
- * stay in cache across the groups), and a row's sums are computed the same way whatever the size
- * of its group.
+ * stay in cache across the groups), or at AVX2, from PANEL_MIN_ROWS rows on, in panels
+ * (tile_sums_rows), and a row's sums are computed the same way whatever the size of its group.
  */
 #ifndef BRIGADE_CPU_QUANT_DOT_H
 #define BRIGADE_CPU_QUANT_DOT_H
@@ -198,6 +198,112 @@ static inline __attribute__((always_inline)) int tile_sums(
             ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
         }
         for (int r = 0; r < group; ++r) tile[r][j] = sums[r];
+    }
+    return n;
+}
+
+/* Up to ROWS_MAX rows through tile t at once -> tile[r][j] (ROWS_MAX rows of TILE); its width.
+ * At AVX2 a step of PANEL_MIN_ROWS or more rows goes in panels (below); otherwise, and at the
+ * other levels, the rows go through tile_sums in groups of MAX_ROWS, each group rebuilding the
+ * tile's blocks again. Either way each sum is dot_row's, bit for bit. */
+#define ROWS_MAX 32
+#if ISA_LEVEL == 1
+/* Many rows at AVX2. dot_row keeps 2 accumulators a row and 4 rebuilt weight vectors: past 6
+ * rows that is more than AVX2's 16 registers, and every spill is a load and a store beside each
+ * row's 4 loads of x a block, so 8 rows ran at ~40 % of the FMA peak, and each group of 8 rows
+ * rebuilt the tile's blocks again. Here a panel of PANEL_F features is rebuilt once into an L1
+ * buffer of fp32 weights, then every PANEL_R rows of the step go over it with PANEL_F x PANEL_R x
+ * 2 accumulators: each x vector loaded serves PANEL_F features and each weight vector PANEL_R
+ * rows, 12 accumulators, 2 x and 1 weight vector in 15 registers (10 loads for 12 FMAs where
+ * dot_row's 8 rows spent 8 loads of x and the spills' for 8). The accumulators take the chunks of
+ * 8 weights alternately, as dot_row's do (chunk c of a feature into acc[c & 1]), with the same
+ * FMAs in the same order: the same sums, bit for bit. 30 layers' linears from DRAM, 2 threads:
+ * 1.23-1.34x at 8 to 32 rows, a tie at 6 (docs/benchmarks.md). */
+#define PANEL_F 3
+#define PANEL_R 2
+#define PANEL_MIN_ROWS 7
+#define PANEL_MAX_IN 4096 /* the buffer, PANEL_F rows of fp32 weights, on the stack: 48 KiB */
+
+static inline __attribute__((always_inline)) void panel_dot(const int F, const int R,
+                                                            const float *wb, int64_t in,
+                                                            const float *x, int64_t x_stride,
+                                                            float *sums) {
+    __m256 acc[PANEL_F][PANEL_R][2];
+    for (int f = 0; f < F; ++f)
+        for (int r = 0; r < R; ++r) acc[f][r][0] = acc[f][r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in; k += 16) {
+        for (int h = 0; h < 2; ++h) {
+            __m256 xv[PANEL_R];
+            for (int r = 0; r < R; ++r) {
+                xv[r] = _mm256_loadu_ps(x + r * x_stride + k + 8 * h);
+                /* in a register: folded into each FMA it would be loaded F times */
+                __asm__("" : "+x"(xv[r]));
+            }
+            for (int f = 0; f < F; ++f) {
+                __m256 wv = _mm256_load_ps(wb + f * in + k + 8 * h);
+                __asm__("" : "+x"(wv));
+                for (int r = 0; r < R; ++r)
+                    acc[f][r][h] = _mm256_fmadd_ps(wv, xv[r], acc[f][r][h]);
+            }
+        }
+    }
+    for (int f = 0; f < F; ++f)
+        for (int r = 0; r < R; ++r) sums[f * R + r] = hsum(_mm256_add_ps(acc[f][r][0], acc[f][r][1]));
+}
+
+#define PANEL_CASE(F, R)                                                          \
+    case (F) * 4 + (R):                                                           \
+        panel_dot(F, R, wb, in_features, x + r0 * x_stride, x_stride, sums);      \
+        break;
+
+static inline __attribute__((always_inline)) int tile_sums_panel(
+    const int Q8, const uint8_t *w, int64_t out_features, int64_t in_features, const float *x,
+    int64_t x_stride, int rows, int64_t t, float (*tile)[TILE]) {
+    const int nb = (int)(in_features / QK), block_bytes = Q8 ? Q8_0_BYTES : Q4_1_BYTES;
+    const int64_t row_bytes = (int64_t)nb * block_bytes;
+    const int64_t tile_size = tile_size_of(out_features), o0 = t * tile_size;
+    const int n = out_features - o0 < tile_size ? (int)(out_features - o0) : (int)tile_size;
+    float wb[PANEL_F * PANEL_MAX_IN] __attribute__((aligned(32)));
+    for (int j = 0; j < n; j += PANEL_F) {
+        const int nf = n - j < PANEL_F ? n - j : PANEL_F;
+        for (int f = 0; f < nf; ++f) {
+            const uint8_t *wr = w + (o0 + j + f) * row_bytes;
+            for (int b = 0; b < nb; ++b) {
+                __m256 wv[4];
+                /* the next panel's row, as far ahead (a step's weights come from DRAM) */
+                __builtin_prefetch(wr + PANEL_F * row_bytes + (int64_t)b * block_bytes);
+                rebuild_block8(Q8, wr + (int64_t)b * block_bytes, wv);
+                for (int k = 0; k < 4; ++k)
+                    _mm256_store_ps(wb + f * in_features + (int64_t)b * QK + 8 * k, wv[k]);
+            }
+        }
+        for (int r0 = 0; r0 < rows; r0 += PANEL_R) {
+            const int nr = rows - r0 < PANEL_R ? rows - r0 : PANEL_R;
+            float sums[PANEL_F * PANEL_R];
+            switch (nf * 4 + nr) {
+                PANEL_CASE(1, 1) PANEL_CASE(1, 2) PANEL_CASE(2, 1)
+                PANEL_CASE(2, 2) PANEL_CASE(3, 1) PANEL_CASE(3, 2)
+            }
+            for (int f = 0; f < nf; ++f)
+                for (int r = 0; r < nr; ++r) tile[r0 + r][j + f] = sums[f * nr + r];
+        }
+    }
+    return n;
+}
+#endif
+
+static inline __attribute__((always_inline)) int tile_sums_rows(
+    const int Q8, const uint8_t *w, int64_t out_features, int64_t in_features, const float *x,
+    int64_t x_stride, int rows, int64_t t, float (*tile)[TILE]) {
+#if ISA_LEVEL == 1
+    if (rows >= PANEL_MIN_ROWS && in_features <= PANEL_MAX_IN)
+        return tile_sums_panel(Q8, w, out_features, in_features, x, x_stride, rows, t, tile);
+#endif
+    int n = 0;
+    for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
+        const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;
+        n = tile_sums(Q8, w, out_features, in_features, x + (int64_t)g0 * x_stride, x_stride,
+                      group, t, tile + g0);
     }
     return n;
 }

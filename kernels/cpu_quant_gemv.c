@@ -27,20 +27,19 @@
 #include "cpu_quant_dot.h"
 
 /* y = x W^T for blocks of kind q8 (1: Q8_0, 0: Q4_1), by the threads of a running OpenMP
- * region: tiles in static runs, rows in groups of MAX_ROWS through each tile (its blocks stay
- * in cache across the groups). */
+ * region: tiles in static runs, up to ROWS_MAX rows at once through each tile (tile_sums_rows). */
 static inline void gemv_tiles(int q8, const uint8_t *w, int64_t out_features, int64_t in_features,
                               const float *x, int64_t x_stride, int rows, float *y,
                               int64_t y_stride) {
     const int64_t num_tiles = num_tiles_of(out_features);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < num_tiles; ++t) {
-        float tile[MAX_ROWS][TILE];
-        for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
-            const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;
+        float tile[ROWS_MAX][TILE];
+        for (int g0 = 0; g0 < rows; g0 += ROWS_MAX) {
+            const int group = rows - g0 < ROWS_MAX ? rows - g0 : ROWS_MAX;
             const float *xg = x + (int64_t)g0 * x_stride;
-            const int n = q8 ? tile_sums(1, w, out_features, in_features, xg, x_stride, group, t, tile)
-                             : tile_sums(0, w, out_features, in_features, xg, x_stride, group, t, tile);
+            const int n = q8 ? tile_sums_rows(1, w, out_features, in_features, xg, x_stride, group, t, tile)
+                             : tile_sums_rows(0, w, out_features, in_features, xg, x_stride, group, t, tile);
             tile_store(0, out_features, tile, group, n, y + (int64_t)g0 * y_stride, y_stride, t);
         }
     }

@@ -29,6 +29,7 @@ BlockKind = Literal["q4_1", "q8_0"]
 BLOCK_SIZE = 32  # weights per block
 BLOCK_BYTES: dict[str, int] = {"q4_1": 20, "q8_0": 34}  # fp16 d (+ fp16 m), then the codes
 MAX_ROWS = 8  # rows a group: each tile of weights is read once per group
+MAX_STEP_ROWS = 32  # rows a call takes through a tile at once (ROWS_MAX, cpu_quant_dot.h)
 # -ffast-math lets the plain-C level vectorize its sums (reordering them); the weights are
 # rebuilt with one exact rounding whatever the flags. Each later set drops what a compiler lacked.
 FLAG_SETS = (

@@ -73,16 +73,18 @@ def forced(level: str):
 @pytest.mark.parametrize("level", qg.ISA_LEVELS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize(
-    ("in_features", "out_features"), [(32, 1), (64, 3), (576, 576), (1536, 1537)]
+    ("in_features", "out_features"), [(32, 1), (64, 3), (576, 576), (1536, 1537), (4128, 5)]
 )
 def test_each_forced_level_matches_the_reference(level, kind, in_features, out_features):
     try:
         lib = forced(level)
         blocks = random_blocks(kind, out_features, in_features, seed=in_features + out_features)
         gen = torch.Generator().manual_seed(out_features)
-        xs = torch.randn(2 * qg.MAX_ROWS + 3, in_features, generator=gen)
+        # rows in one group, several, a step's panels (AVX2, 4 to 32 rows) and past them; 4128
+        # inputs are past the panel's buffer
+        xs = torch.randn(qg.MAX_STEP_ROWS + 3, in_features, generator=gen)
         outs = []
-        for rows in range(1, len(xs) + 1):  # one group of rows, then several and a remainder
+        for rows in range(1, len(xs) + 1):
             got = qg.quant_gemv(xs[:rows], blocks, kind, lib=lib)
             assert got.shape == (rows, out_features)
             assert_matches_reference(xs[:rows], blocks, kind, got)
