@@ -2,11 +2,12 @@
 
 Steps of at most GEMV_MAX_ROWS rows run the compiled block GEMV (kernels/cpu_quant_gemv.py),
 steps of more rows (batched decode, prefill chunks) the compiled block GEMM
-(kernels/cpu_quant_gemm.py): the same fp32 weights, rebuilt from 0.625 / 1.0625 bytes a weight
+(kernels/cpu_quant_gemm.py): the same fp32 weights, rebuilt from 0.75 / 1.0625 bytes a weight
 instead of 4, fp32 sums, so the logits are the dense fp32 path's up to summation order. The GEMM
 beat the dense fp32 GEMM at every row count measured (9 to 512, docs/benchmarks.md); the dense
 weight serves only where the GEMM could not be built, and is dropped where it was (it is 4 bytes
-a weight: ~540 MB of SmolLM2-135M's fp32 engine). Blocks are in GGUF's own layout, one row
+a weight: ~540 MB of SmolLM2-135M's fp32 engine). Blocks are as the kernels hold them
+(kernels/cpu_quant_gemv.py from_gguf: Q8_0 as GGUF stores it, Q4_1 with fp32 scales), one row
 of blocks per output feature. In the batch-invariant mode every step runs the GEMV, its rows in
 groups of 8 (it sums a row the same way whatever shares the step), so a row's result never depends
 on the step's row count.

@@ -198,8 +198,9 @@ _BLOCK_KINDS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGML type name -> cpu_quant_g
 
 
 def read_gguf_blocks(path: Path, config: ModelConfig) -> dict[str, GGUFBlocks]:
-    """The raw blocks of a GGUF file's Q4_1 / Q8_0 matrices (HF names, HF RoPE layout): each
-    [out, in / 32 * block_bytes] uint8, attn_q / attn_k rows un-permuted as read_gguf does."""
+    """The blocks of a GGUF file's Q4_1 / Q8_0 matrices as the kernels hold them
+    (cpu_quant_gemv.from_gguf; HF names, HF RoPE layout): each [out, in / 32 * block_bytes] uint8,
+    attn_q / attn_k rows un-permuted as read_gguf does."""
     import gguf
 
     header = read_gguf_header(path)
@@ -213,8 +214,9 @@ def read_gguf_blocks(path: Path, config: ModelConfig) -> dict[str, GGUFBlocks]:
         out_features, in_features = info.shape
         num_bytes = out_features * in_features // block * type_size
         rows = np.array(raw[info.offset : info.offset + num_bytes]).reshape(out_features, -1)
+        kind = _BLOCK_KINDS[qtype.name]
         blocks[_gguf_to_hf_name(info.name)] = GGUFBlocks(
-            _BLOCK_KINDS[qtype.name], torch.from_numpy(rows)
+            kind, cpu_quant_gemv.from_gguf(torch.from_numpy(rows), kind)
         )
     for i in range(config.num_layers):
         attn = f"model.layers.{i}.self_attn."

@@ -1,8 +1,8 @@
 /* The fused fp32 decode forward: every decoder layer of a Llama-family model for a step of a few
  * tokens (decode rows, speculative drafts, short prefill chunks), in one call and one OpenMP
- * region, over weights kept as GGUF Q4_1 / Q8_0 blocks and a paged KV cache of fp32 or fp16
- * (`kv_half`: each K and V rounded to fp16 as it is stored, as torch's .to(float16) rounds it,
- * and widened to fp32 as attention reads it; every sum stays fp32).
+ * region, over weights kept as Q4_1 / Q8_0 blocks (cpu_quant_blocks.h) and a paged KV cache of
+ * fp32 or fp16 (`kv_half`: each K and V rounded to fp16 as it is stored, as torch's .to(float16)
+ * rounds it, and widened to fp32 as attention reads it; every sum stays fp32).
  *
  * Per layer, each phase's items shared by the threads (exactly once each, see "work items"):
  *   1  h = rms_norm(x) * input_norm                      (rows)

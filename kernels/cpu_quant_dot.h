@@ -128,15 +128,16 @@ static inline __attribute__((always_inline)) void dot_row(
         for (int i = 0; i < QK; ++i) acc[r][i] = 0.0f;
     for (int b = 0; b < nb; ++b) {
         const uint8_t *blk = w + (int64_t)b * block_bytes;
-        const float d = half_to_float(blk);
         float wv[QK];
         if (Q8) {
+            const float d = half_to_float(blk);
             for (int i = 0; i < QK; ++i) wv[i] = d * (float)(int8_t)blk[2 + i];
         } else {
-            const float m = half_to_float(blk + 2);
+            const float d = load_f32(blk), m = load_f32(blk + 4);
+            const uint8_t *qs = blk + Q4_1_CODES;
             for (int i = 0; i < QK / 2; ++i) {
-                wv[i] = d * (float)(blk[4 + i] & 0x0f) + m;
-                wv[i + QK / 2] = d * (float)(blk[4 + i] >> 4) + m;
+                wv[i] = d * (float)(qs[i] & 0x0f) + m;
+                wv[i + QK / 2] = d * (float)(qs[i] >> 4) + m;
             }
         }
         for (int r = 0; r < R; ++r) {

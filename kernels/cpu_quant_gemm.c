@@ -1,5 +1,6 @@
-/* fp32 GEMM over GGUF-quantized weights, read in their own block layout: y = x W^T for many rows
- * of x (batched decode, prefill chunks), W [out, in] stored as GGUF Q4_1 or Q8_0 blocks.
+/* fp32 GEMM over GGUF-quantized weights, read in their block layout: y = x W^T for many rows
+ * of x (batched decode, prefill chunks), W [out, in] held as Q4_1 or Q8_0 blocks
+ * (cpu_quant_blocks.h: Q8_0 as GGUF stores it, Q4_1 with its scales widened to fp32).
  *
  * A panel of NR output features is dequantized once into an fp32 scratch [NR][in] (each weight
  * exactly the value the `gguf` package gives it: Q4_1 fma(d, q, m), Q8_0 d * q, as in
@@ -74,14 +75,15 @@ static inline void dequantize_row(const int Q8, const uint8_t *w, int nb, float 
         rebuild_block8(Q8, blk, wv);
         for (int k = 0; k < 4; ++k) _mm256_storeu_ps(o + 8 * k, wv[k]);
 #else
-        const float d = half_to_float(blk);
         if (Q8) {
+            const float d = half_to_float(blk);
             for (int i = 0; i < QK; ++i) o[i] = d * (float)(int8_t)blk[2 + i];
         } else {
-            const float m = half_to_float(blk + 2);
+            const float d = load_f32(blk), m = load_f32(blk + 4);
+            const uint8_t *qs = blk + Q4_1_CODES;
             for (int i = 0; i < QK / 2; ++i) {
-                o[i] = d * (float)(blk[4 + i] & 0x0f) + m; /* d * q is exact: one rounding */
-                o[i + QK / 2] = d * (float)(blk[4 + i] >> 4) + m;
+                o[i] = d * (float)(qs[i] & 0x0f) + m; /* d * q is exact: one rounding */
+                o[i + QK / 2] = d * (float)(qs[i] >> 4) + m;
             }
         }
 #endif

@@ -1,12 +1,13 @@
-/* fp32 GEMV over GGUF-quantized weights, read in their own block layout: y = x W^T for a few
- * rows of x (the decode rows of a step), W [out, in] stored as GGUF Q4_1 or Q8_0 blocks.
+/* fp32 GEMV over GGUF-quantized weights, read in their block layout: y = x W^T for a few rows of
+ * x (the decode rows of a step), W [out, in] held as Q4_1 or Q8_0 blocks (cpu_quant_blocks.h:
+ * Q8_0 as GGUF stores it, Q4_1 with its fp16 scales widened to fp32 at load).
  *
  * Every weight is rebuilt in registers to exactly the fp32 value the `gguf` package dequantizes
- * it to: Q4_1 w = d * q + m (fp16 d, m per block of 32, q in 0..15; d * q is exact in fp32, so
- * fma(d, q, m) is the same single rounding as numpy's d * q + m), Q8_0 w = d * q (fp16 d, int8 q,
- * exact). Activations and accumulation are fp32, so the result equals an fp32 matmul with the
- * dequantized weights up to summation order, while reading 0.625 (Q4_1) or 1.0625 (Q8_0) bytes
- * per weight instead of 4.
+ * it to: Q4_1 w = d * q + m (d, m per block of 32, fp16 values; q in 0..15; d * q is exact in
+ * fp32, so fma(d, q, m) is the same single rounding as numpy's d * q + m), Q8_0 w = d * q (fp16
+ * d, int8 q, exact). Activations and accumulation are fp32, so the result equals an fp32 matmul
+ * with the dequantized weights up to summation order, while reading 0.75 (Q4_1) or 1.0625 (Q8_0)
+ * bytes per weight instead of 4.
  *
  * Three instruction-set levels, chosen by the flags it is compiled with (kernels/cpu_quant_gemv.py
  * picks them from the CPU it runs on) and reported by kernel_isa():

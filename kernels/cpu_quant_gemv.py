@@ -1,10 +1,15 @@
 """fp32 GEMVs over GGUF Q4_1 / Q8_0 blocks (cpu_quant_gemv.c), built once per machine.
 
+The kernels take blocks as Brigade holds them (`from_gguf` makes them from a GGUF file's bytes):
+Q8_0 in GGUF's own 34-byte layout, Q4_1 in 24 bytes, its fp16 scale and minimum widened to fp32
+(exactly) ahead of GGUF's 16 bytes of nibbles, so the kernels load them instead of converting
+them for every block (cpu_quant_blocks.h).
+
 `quant_gemv(x, blocks, kind)` is x [rows, in] fp32 times the weight the blocks hold,
 transposed, rows in groups of MAX_ROWS (a decode step's few rows, or every row of a step in the
 batch-invariant mode): each weight is rebuilt in registers to exactly the value `gguf` dequantizes it to,
 activations and sums stay fp32, so the result is the fp32 matmul's up to summation order while
-reading 0.625 (Q4_1) / 1.0625 (Q8_0) bytes a weight instead of 4. The build (cache, compiler,
+reading 0.75 (Q4_1) / 1.0625 (Q8_0) bytes a weight instead of 4. The build (cache, compiler,
 flags) is kernels/cbuild.py's; the instruction-set level (ISA_LEVELS) is chosen from the CPU's
 features at run time, GemvOptions.isa forces a lower one. `quant_gemv_reference` is the slow
 pure-torch definition. No compiler, or `enabled=False`: `load()` returns None.
@@ -27,7 +32,9 @@ from kernels.cbuild import is_x86 as is_x86  # re-exported for the tests
 SOURCE = Path(__file__).with_name("cpu_quant_gemv.c")
 BlockKind = Literal["q4_1", "q8_0"]
 BLOCK_SIZE = 32  # weights per block
-BLOCK_BYTES: dict[str, int] = {"q4_1": 20, "q8_0": 34}  # fp16 d (+ fp16 m), then the codes
+GGUF_BLOCK_BYTES: dict[str, int] = {"q4_1": 20, "q8_0": 34}  # fp16 d (+ fp16 m), then the codes
+BLOCK_BYTES: dict[str, int] = {"q4_1": 24, "q8_0": 34}  # as held: Q4_1's d and m in fp32
+Q4_1_CODES = 8  # the nibbles' offset in a held Q4_1 block
 MAX_ROWS = 8  # rows a group: each tile of weights is read once per group
 MAX_STEP_ROWS = 32  # rows a call takes through a tile at once (ROWS_MAX, cpu_quant_dot.h)
 # -ffast-math lets the plain-C level vectorize its sums (reordering them); the weights are
@@ -160,18 +167,42 @@ def quant_gemv(
     return out
 
 
+def from_gguf(rows: Tensor, kind: BlockKind) -> Tensor:
+    """A GGUF tensor's blocks [out, in / 32 * gguf_block_bytes] uint8 -> the blocks as held
+    [out, in / 32 * block_bytes]: Q8_0 as they are, Q4_1 with its fp16 d and m widened to fp32
+    (exact), then its 16 bytes of nibbles."""
+    if kind not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"block kind {kind!r}; allowed: {', '.join(GGUF_BLOCK_BYTES)}")
+    size = GGUF_BLOCK_BYTES[kind]
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] % size:
+        raise ValueError(
+            f"GGUF {kind} rows must be 2-D uint8 of whole {size}-byte blocks, got {rows.dtype} "
+            f"{tuple(rows.shape)}"
+        )
+    if kind == "q8_0":
+        return rows.contiguous()
+    out_features = rows.shape[0]
+    b = rows.reshape(out_features, -1, size)  # [out, in / 32, 20]
+    scales = b[..., 0:4].contiguous().view(torch.float16).float()  # [out, in / 32, 2]: d, m
+    held = torch.empty(out_features, b.shape[1], BLOCK_BYTES[kind], dtype=torch.uint8)
+    held[..., :Q4_1_CODES] = scales.view(torch.uint8)
+    held[..., Q4_1_CODES:] = b[..., 4:]
+    return held.reshape(out_features, -1)
+
+
 def dequantize(blocks: Tensor, kind: BlockKind) -> Tensor:
-    """The fp32 weight [out, in] that GGUF blocks [out, bytes] hold, as the `gguf` package
-    computes it: Q4_1 d * q + m (q[i] the low nibble of byte i, q[i + 16] its high nibble),
-    Q8_0 d * q."""
+    """The fp32 weight [out, in] that held blocks [out, bytes] hold, as the `gguf` package
+    computes it from the file: Q4_1 d * q + m (q[i] the low nibble of byte i, q[i + 16] its high
+    nibble), Q8_0 d * q."""
     out_features = blocks.shape[0]
     b = blocks.reshape(out_features, -1, BLOCK_BYTES[kind])  # [out, in / 32, block_bytes]
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [out, in / 32, 1]
     if kind == "q8_0":
+        d = b[..., 0:2].contiguous().view(torch.float16).float()  # [out, in / 32, 1]
         q = b[..., 2:].contiguous().view(torch.int8).float()  # [out, in / 32, 32]
         return (q * d).reshape(out_features, -1)
-    m = b[..., 2:4].contiguous().view(torch.float16).float()
-    qs = b[..., 4:]  # [out, in / 32, 16]
+    d = b[..., 0:4].contiguous().view(torch.float32)
+    m = b[..., 4:8].contiguous().view(torch.float32)
+    qs = b[..., Q4_1_CODES:]  # [out, in / 32, 16]
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [out, in / 32, 32]
     return (d * q + m).reshape(out_features, -1)
 

@@ -100,7 +100,7 @@ def test_rejects_what_it_cannot_compute():
         qm.quant_gemm(x.bfloat16(), blocks, "q4_1")
     with pytest.raises(ValueError, match="no rows"):
         qm.quant_gemm(torch.randn(0, 64), blocks, "q4_1")
-    with pytest.raises(ValueError, match="take 68 bytes a row, got 40"):
+    with pytest.raises(ValueError, match="take 68 bytes a row, got 48"):
         qm.quant_gemm(x, blocks, "q8_0")
     with pytest.raises(ValueError, match="rows must be contiguous"):
         qm.quant_gemm(torch.randn(64, 20).t(), blocks, "q4_1")

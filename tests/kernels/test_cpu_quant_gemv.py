@@ -24,11 +24,12 @@ ATOL, RTOL = 1e-5, 1e-5
 HERE = qg.cpu_flags()
 
 
-def random_blocks(kind: str, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """[out, in / 32 * block_bytes] uint8: random codes, fp16 scales (and Q4_1 minimums) of
-    SmolLM2's order of magnitude, a few of them subnormal, zero or negative zero."""
+def random_gguf_blocks(kind: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """[out, in / 32 * gguf_block_bytes] uint8 as a GGUF file stores them: random codes, fp16
+    scales (and Q4_1 minimums) of SmolLM2's order of magnitude, a few of them subnormal, zero or
+    negative zero."""
     rng = np.random.default_rng(seed)
-    nb, nbytes = in_features // 32, qg.BLOCK_BYTES[kind]
+    nb, nbytes = in_features // 32, qg.GGUF_BLOCK_BYTES[kind]
     raw = rng.integers(0, 256, size=(out_features, nb, nbytes), dtype=np.uint8)
     d = (rng.standard_normal((out_features, nb)) * 0.02).astype(np.float16)
     special = np.array([6e-8, -3e-6, 0.0, -0.0, 6.1e-5], dtype=np.float16)  # subnormals too
@@ -38,7 +39,13 @@ def random_blocks(kind: str, out_features: int, in_features: int, seed: int = 0)
     if kind == "q4_1":
         m = (rng.standard_normal((out_features, nb)) * -0.1).astype(np.float16)
         raw[..., 2:4] = m.view(np.uint8).reshape(out_features, nb, 2)
-    return torch.from_numpy(raw.reshape(out_features, nb * nbytes))
+    return raw.reshape(out_features, nb * nbytes)
+
+
+def random_blocks(kind: str, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """random_gguf_blocks as the kernels hold them (qg.from_gguf)."""
+    raw = random_gguf_blocks(kind, out_features, in_features, seed)
+    return qg.from_gguf(torch.from_numpy(raw), kind)
 
 
 def assert_matches_reference(x: torch.Tensor, blocks: torch.Tensor, kind: str, got: torch.Tensor):
@@ -52,10 +59,27 @@ def assert_matches_reference(x: torch.Tensor, blocks: torch.Tensor, kind: str, g
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_the_reference_weights_are_the_gguf_packages_bit_for_bit(kind):
-    blocks = random_blocks(kind, 7, 96, seed=3)
-    want = gguf.quants.dequantize(blocks.numpy(), GGML_TYPES[kind]).reshape(7, 96)
-    got = qg.dequantize(blocks, kind).numpy()
+    raw = random_gguf_blocks(kind, 7, 96, seed=3)
+    want = gguf.quants.dequantize(raw, GGML_TYPES[kind]).reshape(7, 96)
+    held = qg.from_gguf(torch.from_numpy(raw), kind)
+    assert held.shape == (7, 96 // 32 * qg.BLOCK_BYTES[kind])
+    got = qg.dequantize(held, kind).numpy()
     assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+def test_from_gguf_widens_q4_1_scales_exactly_and_keeps_the_codes():
+    raw = random_gguf_blocks("q4_1", 3, 64, seed=4)
+    held = qg.from_gguf(torch.from_numpy(raw), "q4_1").numpy().reshape(3, 2, 24)
+    blocks = raw.reshape(3, 2, 20)
+    assert np.array_equal(held[..., 8:], blocks[..., 4:])  # the nibbles, untouched
+    scales = held[..., :8].copy().view(np.float32)  # [3, 2, 2]: d, m
+    assert np.array_equal(scales, blocks[..., :4].copy().view(np.float16).astype(np.float32))
+    q8 = torch.from_numpy(random_gguf_blocks("q8_0", 3, 64, seed=4))
+    assert torch.equal(qg.from_gguf(q8, "q8_0"), q8)  # Q8_0 is held as GGUF stores it
+    with pytest.raises(ValueError, match="whole 20-byte blocks"):
+        qg.from_gguf(torch.from_numpy(raw[:, :30]), "q4_1")
+    with pytest.raises(ValueError, match="block kind 'q4_0'"):
+        qg.from_gguf(torch.from_numpy(raw), "q4_0")
 
 
 def forced(level: str):
@@ -122,7 +146,7 @@ def test_rejects_what_it_cannot_compute():
         qg.quant_gemv(x.bfloat16(), blocks, "q4_1")
     with pytest.raises(ValueError, match="at least 1"):
         qg.quant_gemv(torch.randn(0, 64), blocks, "q4_1")
-    with pytest.raises(ValueError, match="take 68 bytes a row, got 40"):
+    with pytest.raises(ValueError, match="take 68 bytes a row, got 48"):
         qg.quant_gemv(x, blocks, "q8_0")
     with pytest.raises(ValueError, match="not a multiple of 32"):
         qg.quant_gemv(torch.randn(2, 48), blocks[:, :30], "q4_1")

@@ -403,6 +403,12 @@ def run(args: argparse.Namespace) -> int:
         res["llama_cpp_skipped"] = str(err)
         print(f"brigade bench peer: {skip_message(str(err))}", flush=True)
     torch.set_num_threads(args.threads)
+    from kernels import cpu_fma_peak  # here: kernels import torch, `brigade --help` does not
+
+    # the machine's own limits first, in a process nothing has run in yet: measured after the
+    # rounds, beside the engine's idle OpenMP pool, the FMA peak came out at 102.6 GFLOP/s where a
+    # fresh process measured 182-189 on the same CPU
+    bandwidth, peak = read_bandwidth(args.threads), cpu_fma_peak.fma_peak(args.threads)
     quantization = None if args.quantization == "none" else args.quantization
     dtype = {"dtype": args.dtype} if args.dtype else {}  # else EngineConfig's defaults
     if args.kv_cache_dtype:
@@ -433,10 +439,7 @@ def run(args: argparse.Namespace) -> int:
                                                    for r in llama]  # fmt: skip
     res["rows"] = ratio_rows(brigade, llama)
     llama_row = None if llama is None else {m["metric"]: m["llama_cpp"] for m in res["rows"]}
-    res["floor"] = floor_row(weight_bytes(gguf), read_bandwidth(args.threads), llama_row)
-    from kernels import cpu_fma_peak  # here: kernels import torch, `brigade --help` does not
-
-    peak = cpu_fma_peak.fma_peak(args.threads)
+    res["floor"] = floor_row(weight_bytes(gguf), bandwidth, llama_row)
     if peak is not None:
         res["prefill_ceiling"] = prefill_ceiling_row(engine.model_config, peak, llama_row)
     write_results(args.out, "peer", res, markdown(res))
