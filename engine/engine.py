@@ -60,10 +60,6 @@ class EngineConfig:
     # those steps of <= 32 tokens run every layer in one C call (kernels/cpu_decode.py): the same
     # GEMV sums, fp32 norms, RoPE and attention without the torch path's small ops
     fused_decode: bool = True
-    # on those blocks, a step of one token quantizes each linear's input row to int16 per block
-    # of 32 (2^-16 of its largest value) and takes integer dot products (AVX2:
-    # kernels/cpu_quant_dot.h); off in the batch-invariant mode
-    int16_decode: bool = True
     # reuse the K/V of full blocks a prompt shares with earlier ones (see block_manager.py)
     enable_prefix_caching: bool = False
     # speculative decoding with the n-gram proposer (spec_decode.py): draft tokens per step for
@@ -161,7 +157,6 @@ class Engine:
             batch_invariant=config.batch_invariant,
             quantized_gemv=config.quantized_gemv,
             fused_decode=config.fused_decode,
-            int16_decode=config.int16_decode,
         )
         self.tokenizer = load_tokenizer(config.model)
         limit = self.model_config.max_position_embeddings

@@ -80,7 +80,6 @@ class GGUFLinear(nn.Module):
         self.out_features = dense.out_features
         self.gemm = cpu_quant_gemm.available() if gemm is None else gemm
         self.invariant = invariant
-        self.x16 = False  # a one-row step's x in int16 (cpu_quant_gemv.quant_gemv), set by the model
         self.dense: nn.Module | None = None if (self.gemm or invariant) else dense
 
     def forward(self, x: Tensor) -> Tensor:  # [n, in] -> [n, out]
@@ -94,7 +93,7 @@ class GGUFLinear(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         if rows <= GEMV_MAX_ROWS or self.invariant:
-            return cpu_quant_gemv.quant_gemv(x, self.blocks, self.kind, x16=self.x16 and rows == 1)
+            return cpu_quant_gemv.quant_gemv(x, self.blocks, self.kind)
         return cpu_quant_gemm.quant_gemm(x, self.blocks, self.kind)
 
 

@@ -117,7 +117,6 @@ def load_model(
     batch_invariant: bool = False,
     quantized_gemv: bool = True,
     fused_decode: bool = True,
-    int16_decode: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a registered name, a .gguf path or an HF directory onto `device` in `dtype`.
 
@@ -131,8 +130,6 @@ def load_model(
     same weights, fewer bytes); without a C compiler, or for safetensors, the dense fp32 path.
     fused_decode: with those blocks, steps of at most 32 tokens run every layer in one C call
     (kernels/cpu_decode.py); off in the batch-invariant mode.
-    int16_decode: on those blocks, steps of one token take each linear's input in int16 where
-    the kernels' level has it (kernels/cpu_quant_gemv.has_x16); off in the batch-invariant mode.
     """
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -161,7 +158,6 @@ def load_model(
         batch_invariant=batch_invariant,
         blocks=blocks,
         fused_decode=fused_decode,
-        int16_decode=int16_decode,
     )
     return llama, config
 

@@ -15,7 +15,7 @@ from engine.attention import AttentionMetadata, AttentionPlan, paged_attend, pre
 from engine.config import ModelConfig
 from engine.gguf_linear import GGUFBlocks, GGUFLinear, concat_blocks, with_blocks
 from engine.quant import Quantization, make_linear
-from kernels import cpu_decode, cpu_quant_gemv
+from kernels import cpu_decode
 from kernels.paged_attention import token_layout
 
 
@@ -104,7 +104,6 @@ class LlamaForCausalLM(nn.Module):
         batch_invariant: bool = False,  # row-count-free linears and attention (engine/loader.py)
         blocks: dict[str, GGUFBlocks] | None = None,  # GGUF blocks by HF name (gguf_linear.py)
         fused_decode: bool = True,  # steps of <= 32 tokens in one C call (kernels/cpu_decode.py)
-        int16_decode: bool = True,  # one-token steps: linear inputs in int16 (cpu_quant_dot.h)
     ) -> None:
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, device
@@ -159,15 +158,6 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos.to(dtype).contiguous(), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype).contiguous(), persistent=False)
         self.fused = self._fused_decode() if fused_decode and not batch_invariant else None
-        # a one-token step's linears (the fused forward's and the head) take x in int16: each
-        # output within 2^-16 of its block's largest input times its weights, ~1.4x faster
-        # from DRAM; a step of more rows stays fp32 (docs/benchmarks.md)
-        gguf = [m for m in self.modules() if isinstance(m, GGUFLinear)]
-        self.int16_decode = (
-            int16_decode and not batch_invariant and bool(gguf) and cpu_quant_gemv.has_x16()
-        )
-        for m in gguf:
-            m.x16 = self.int16_decode
 
     def _fused_decode(self) -> cpu_decode.DecodeForward | None:
         """The fused decode forward over every layer's GGUF blocks, where it applies: fp32 on
@@ -217,7 +207,6 @@ class LlamaForCausalLM(nn.Module):
                 attn.block_tables.to(torch.int32).contiguous(),
                 seq_idx,
                 ctx_len,
-                x16=self.int16_decode and input_ids.shape[0] == 1 and cpu_decode.has_x16(),
             )
         plan = prepare_attention(attn, self.device, self.dtype, per_token=self.batch_invariant)
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]

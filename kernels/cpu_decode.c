@@ -396,10 +396,10 @@ static inline int item_open(Items *it, int64_t p, int64_t t) {
  * claims it. */
 static inline __attribute__((always_inline)) void gemv_item(
     const int Q8, const int ADD, const uint8_t *w, int64_t out_features, int64_t in_features,
-    const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride, const X16 *x16,
-    Items *it, int64_t p, int64_t t, int me) {
+    const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride, Items *it,
+    int64_t p, int64_t t, int me) {
     float tile[ROWS_MAX][TILE];
-    const int n = tile_sums_rows(Q8, w, out_features, in_features, x, x_stride, rows, t, tile, x16);
+    const int n = tile_sums_rows(Q8, w, out_features, in_features, x, x_stride, rows, t, tile);
     if (!claim_store(it, p, t)) return;
     tile_store(ADD, out_features, tile, rows, n, y, y_stride, t);
     stored(it, p, t, me);
@@ -407,15 +407,11 @@ static inline __attribute__((always_inline)) void gemv_item(
 
 static void gemv_item_kind(int q8, int add, const uint8_t *w, int64_t out_features,
                            int64_t in_features, const float *x, int64_t x_stride, int rows,
-                           float *y, int64_t y_stride, const X16 *x16, Items *it, int64_t p,
-                           int64_t t, int me) {
-#define GEMV_ITEM(Q8, ADD) \
-    gemv_item(Q8, ADD, w, out_features, in_features, x, x_stride, rows, y, y_stride, x16, it, p, t, me)
-    if (q8 && add) GEMV_ITEM(1, 1);
-    else if (q8) GEMV_ITEM(1, 0);
-    else if (add) GEMV_ITEM(0, 1);
-    else GEMV_ITEM(0, 0);
-#undef GEMV_ITEM
+                           float *y, int64_t y_stride, Items *it, int64_t p, int64_t t, int me) {
+    if (q8 && add) gemv_item(1, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me);
+    else if (q8) gemv_item(1, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me);
+    else if (add) gemv_item(0, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me);
+    else gemv_item(0, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me);
 }
 
 /* a `count`-float item computed into `local`, stored to `dst` if this thread claims it */
@@ -438,7 +434,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
                        const int64_t *slots, int64_t num_blocks, int32_t block_size,
                        int32_t kv_half, const int32_t *tables, int32_t num_seqs, int64_t table_stride,
                        const int32_t *seq_idx, const int32_t *ctx_len, float scale, float *work,
-                       int32_t num_threads, int64_t redo_after_ns, int32_t x16) {
+                       int32_t num_threads, int64_t redo_after_ns) {
     const int D = head_dim, H = num_heads, KVH = num_kv_heads, G = H / KVH;
     if (D > MAX_HEAD_DIM || D % 2 || G > MAX_GROUP || G * KVH != H || hidden % QK ||
         (H * D) % QK || ffn % QK || T < 1 || T > DECODE_MAX_ROWS)
@@ -500,26 +496,12 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
             items.state = calloc((size_t)total, 1);
             if (items.state == NULL) failed = 1;
         } /* (single's barrier: every thread sees the bookkeeping) */
-        /* per thread: an item's scores [G, len], its keys' offsets [len], a row of x or act, and
-         * a linear's input row in int16 (x16: a step of one row; each thread quantizes it, the
-         * same values on every thread, before it takes the linear's items) */
-        int row_len = ffn > hidden ? ffn : hidden;
-        if (q_size > row_len) row_len = q_size;
+        /* per thread: an item's scores [G, len], its keys' offsets [len], a row of x or act */
+        const int row_len = ffn > hidden ? ffn : hidden;
         float *scores = (float *)malloc((sizeof(float) * G + sizeof(int64_t)) * (size_t)max_len +
-                                        8 + sizeof(float) * (size_t)row_len * 2 +
-                                        sizeof(int16_t) * (size_t)row_len);
+                                        8 + sizeof(float) * (size_t)row_len);
         int64_t *offs = (int64_t *)(scores + (size_t)max_len * G + (max_len * G) % 2);
         float *row = (float *)(offs + max_len);
-        X16 xq = {(int16_t *)(row + row_len + 2 * (row_len / QK)), row + row_len,
-                  row + row_len + row_len / QK};
-        const X16 *xq_step = NULL;
-#if ISA_LEVEL == X16_LEVEL
-        if (x16 && T == 1) xq_step = &xq;
-#define QUANTIZE(src, n) if (xq_step) quantize_x16((src), (n) / QK, &xq)
-#else
-        (void)x16, (void)xq;
-#define QUANTIZE(src, n) (void)0
-#endif
         float local[MAX_GROUP * MAX_HEAD_DIM]; /* a head's or a GQA group's values */
         if (scores == NULL) {
 #pragma omp atomic write
@@ -542,8 +524,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     } while (0)
             RUN_PHASE(ph, IN_NORM);
 #define QKV(t) gemv_item_kind(kind[0], 0, w_qkv, qkv_size, hidden, h, hidden, T, qkv, qkv_size, \
-                              xq_step, &items, ph + 1, (t), me)
-            QUANTIZE(h, hidden);
+                              &items, ph + 1, (t), me)
             RUN_PHASE(ph + 1, QKV);
 #define ROPE(item)                                                                \
     do {                                                                          \
@@ -582,8 +563,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     } while (0)
             RUN_PHASE(ph + 3, ATTEND);
 #define O_PROJ(t) gemv_item_kind(kind[1], 1, w_o, hidden, q_size, att, q_size, T, x, hidden, \
-                                 xq_step, &items, ph + 4, (t), me)
-            QUANTIZE(att, q_size);
+                                 &items, ph + 4, (t), me)
             RUN_PHASE(ph + 4, O_PROJ);
 #define POST_NORM(r)                                                              \
     do {                                                                          \
@@ -592,8 +572,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     } while (0)
             RUN_PHASE(ph + 5, POST_NORM);
 #define GATE_UP(t) gemv_item_kind(kind[2], 0, w_gu, 2 * (int64_t)ffn, hidden, h, hidden, T, act, \
-                                  2 * ffn, xq_step, &items, ph + 6, (t), me)
-            QUANTIZE(h, hidden);
+                                  2 * ffn, &items, ph + 6, (t), me)
             RUN_PHASE(ph + 6, GATE_UP);
 #define SILU(r)                                                                   \
     do {                                                                          \
@@ -603,8 +582,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     } while (0)
             RUN_PHASE(ph + 7, SILU);
 #define DOWN(t) gemv_item_kind(kind[3], 1, w_down, hidden, ffn, act, 2 * ffn, T, x, hidden, \
-                               xq_step, &items, ph + 8, (t), me)
-            QUANTIZE(act, ffn);
+                               &items, ph + 8, (t), me)
             RUN_PHASE(ph + 8, DOWN);
         }
         free(scores);

@@ -31,7 +31,6 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 16
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [_i32, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _f32, _ptr, _i32, _ptr, _ptr, _i32]
 _ARGTYPES += [_ptr, _ptr, _i64, _i32, _i32, _ptr, _i32, _i64, _ptr, _ptr, _f32, _ptr, _i32, _i64]
-_ARGTYPES += [_i32]
 KV_DTYPES = (torch.float32, torch.float16)  # the caches it reads and writes; fp16: rounded once
 # How long a thread that has taken a phase's last item waits for the others' before it redoes
 # what they still hold (a thread a stage preempted): a phase at 8 rows takes ~45 us, the threads'
@@ -48,7 +47,6 @@ class DecodeOptions(cbuild.KernelOptions):
 def _bind(lib: ctypes.CDLL) -> None:
     lib.decode_forward_f32.argtypes = _ARGTYPES
     lib.decode_forward_f32.restype = ctypes.c_int
-    lib.kernel_x16.argtypes, lib.kernel_x16.restype = [], ctypes.c_int
 
 
 _KERNEL = cbuild.CKernel(
@@ -68,13 +66,6 @@ library_isa = cpu_quant_gemv.LEVELS.of
 
 def available() -> bool:
     return load() is not None
-
-
-def has_x16(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the built level takes a one-token step's linear inputs in int16 (`x16`;
-    kernels/cpu_quant_gemv.py has_x16)."""
-    lib = lib or load()
-    return lib is not None and bool(lib.kernel_x16())
 
 
 @dataclass(frozen=True)
@@ -195,7 +186,6 @@ class DecodeForward:
         ctx_len: Tensor,  # [T] int32: keys it attends, its position + 1
         lib: ctypes.CDLL | None = None,
         redo_after_ns: int | None = None,  # default REDO_AFTER_NS; 0: every waiting thread races
-        x16: bool = False,  # a step of one token: each linear's input row in int16 (has_x16)
     ) -> Tensor:
         lib = lib or load()
         redo_after_ns = REDO_AFTER_NS if redo_after_ns is None else redo_after_ns
@@ -253,7 +243,6 @@ class DecodeForward:
             self.work.data_ptr(),
             torch.get_num_threads(),
             redo_after_ns,
-            int(x16),
         )
         if status == -2:
             raise MemoryError("the fused CPU decode forward could not allocate its scratch")

@@ -12,16 +12,6 @@
 #define BRIGADE_CPU_QUANT_DOT_H
 #define MAX_ROWS 8
 #define TABLE_ROWS 4 /* AVX-512: Q4_1 weights looked up from the block's 16 values up to this many rows */
-#include <math.h>
-
-/* one row of x quantized to int16 per block of 32 (quantize_x16, at AVX2) */
-typedef struct {
-    int16_t *q;   /* [in] */
-    float *scale; /* [in / 32] */
-    float *sum;   /* [in / 32] */
-} X16;
-#define X16_LEVEL 1 /* the level that has it (AVX2, where it was measured) */
-int kernel_x16(void) { return ISA_LEVEL == X16_LEVEL; }
 
 #if ISA_LEVEL == 2
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -87,84 +77,6 @@ static inline __attribute__((always_inline)) void dot_pair(const int Q8, const u
     }
     sums[0] = hsum(_mm256_add_ps(a0, a1));
     sums[1] = hsum(_mm256_add_ps(b0, b1));
-}
-
-/* One row of x in int16 for a step of one row (X16): per block of 32, scale = max|x| / 32767 and
- * q = round(x / scale), so q * scale is x to within scale / 2 (2^-16 of the block's largest
- * value, where llama.cpp's int8 activations keep 2^-8), and the exact fp32 sum of the block's x.
- * A Q4_1 weight's dot is then integers: sum(d q_w x) + m sum(x) = d scale sum(q_w q) + m sum(x),
- * its 32 products in 2 vpmaddwd of int16 pairs (q_w <= 15: exact in int32) where the fp32 dot
- * rebuilt every weight with a convert and an FMA: a decode step's one row from DRAM ran ~1.4x
- * faster (docs/benchmarks.md). Q8_0 the same, its int8 codes against q. */
-static inline void quantize_x16(const float *x, int nb, X16 *out) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int b = 0; b < nb; ++b) {
-        const float *xb = x + (int64_t)b * QK;
-        __m256 v[4], mx = _mm256_setzero_ps(), s;
-        for (int k = 0; k < 4; ++k) {
-            v[k] = _mm256_loadu_ps(xb + 8 * k);
-            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
-        }
-        s = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float m = _mm_cvtss_f32(m4), inv = m > 0.0f ? 32767.0f / m : 0.0f;
-        out->scale[b] = m / 32767.0f;
-        out->sum[b] = hsum(s);
-        const __m256 iv = _mm256_set1_ps(inv);
-        for (int k = 0; k < 4; k += 2) { /* packs works in 128-bit halves: put them back in order */
-            const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], iv));
-            const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(v[k + 1], iv));
-            const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xd8);
-            _mm256_storeu_si256((__m256i *)(out->q + (int64_t)b * QK + 8 * k), p);
-        }
-    }
-}
-
-/* dot_pair with x in int16: two features' sums against one quantized row (w + row_bytes may be
- * w itself, for a last odd feature). Each feature's sum: 8 lanes of fma(lane's int32 sum, d *
- * scale) over the blocks in order, their hsum, plus (Q4_1) the chain of fma(m, sum(x)). */
-static inline __attribute__((always_inline)) void dot_pair16(const int Q8, const uint8_t *w,
-                                                             int64_t row_bytes, int nb,
-                                                             const X16 *x, float *sums) {
-    const int block_bytes = Q8 ? Q8_0_BYTES : Q4_1_BYTES;
-    __m256 a = _mm256_setzero_ps(), b = a;
-    float ma = 0.0f, mb = 0.0f;
-    const __m256i low4 = _mm256_set1_epi16(0x0f);
-    for (int k = 0; k < nb; ++k) {
-        const uint8_t *pa = w + (int64_t)k * block_bytes, *pb = pa + row_bytes;
-        __builtin_prefetch(pa + 2 * row_bytes); /* as dot_pair's */
-        __builtin_prefetch(pa + 3 * row_bytes);
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x->q + (int64_t)k * QK));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x->q + (int64_t)k * QK + 16));
-        __m256i sa, sb;
-        float da, db;
-        if (Q8) {
-            sa = _mm256_add_epi32(
-                _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pa + 2))), x0),
-                _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pa + 18))), x1));
-            sb = _mm256_add_epi32(
-                _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb + 2))), x0),
-                _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb + 18))), x1));
-            da = half_to_float(pa), db = half_to_float(pb);
-        } else {
-            const __m256i ea = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pa + Q4_1_CODES)));
-            const __m256i eb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pb + Q4_1_CODES)));
-            sa = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(ea, low4), x0),
-                                  _mm256_madd_epi16(_mm256_srli_epi16(ea, 4), x1));
-            sb = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(eb, low4), x0),
-                                  _mm256_madd_epi16(_mm256_srli_epi16(eb, 4), x1));
-            da = load_f32(pa), db = load_f32(pb);
-            ma = fmaf(load_f32(pa + 4), x->sum[k], ma);
-            mb = fmaf(load_f32(pb + 4), x->sum[k], mb);
-        }
-        const float xs = x->scale[k];
-        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa), _mm256_set1_ps(da * xs), a);
-        b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb), _mm256_set1_ps(db * xs), b);
-    }
-    sums[0] = hsum(a) + ma;
-    sums[1] = hsum(b) + mb;
 }
 #endif
 
@@ -266,26 +178,12 @@ static inline int64_t num_tiles_of(int64_t out_features) {
 /* Tile t's features against `group` <= MAX_ROWS rows of x (xg) -> tile[r][j]; its width. */
 static inline __attribute__((always_inline)) int tile_sums(
     const int Q8, const uint8_t *w, int64_t out_features, int64_t in_features, const float *xg,
-    int64_t x_stride, int group, int64_t t, float (*tile)[TILE], const X16 *x16) {
+    int64_t x_stride, int group, int64_t t, float (*tile)[TILE]) {
     const int nb = (int)(in_features / QK);
     const int64_t row_bytes = (int64_t)nb * (Q8 ? Q8_0_BYTES : Q4_1_BYTES);
     const int64_t tile_size = tile_size_of(out_features), o0 = t * tile_size;
     const int n = out_features - o0 < tile_size ? (int)(out_features - o0) : (int)tile_size;
     int j = 0;
-#if ISA_LEVEL == X16_LEVEL
-    if (x16 != NULL) { /* one row, quantized: features in pairs, a last odd one paired with itself */
-        for (; j < n; j += 2) {
-            float sums[2];
-            const uint8_t *wj = w + (o0 + j) * row_bytes;
-            dot_pair16(Q8, wj, j + 1 < n ? row_bytes : 0, nb, x16, sums);
-            tile[0][j] = sums[0];
-            if (j + 1 < n) tile[0][j + 1] = sums[1];
-        }
-        return n;
-    }
-#else
-    (void)x16;
-#endif
 #if ISA_LEVEL > 0
     if (group == 1) /* a decode step's one row: features in pairs */
         for (; j + 1 < n; j += 2) {
@@ -397,7 +295,7 @@ static inline __attribute__((always_inline)) int tile_sums_panel(
 
 static inline __attribute__((always_inline)) int tile_sums_rows(
     const int Q8, const uint8_t *w, int64_t out_features, int64_t in_features, const float *x,
-    int64_t x_stride, int rows, int64_t t, float (*tile)[TILE], const X16 *x16) {
+    int64_t x_stride, int rows, int64_t t, float (*tile)[TILE]) {
 #if ISA_LEVEL == 1
     if (rows >= PANEL_MIN_ROWS && in_features <= PANEL_MAX_IN)
         return tile_sums_panel(Q8, w, out_features, in_features, x, x_stride, rows, t, tile);
@@ -406,7 +304,7 @@ static inline __attribute__((always_inline)) int tile_sums_rows(
     for (int g0 = 0; g0 < rows; g0 += MAX_ROWS) {
         const int group = rows - g0 < MAX_ROWS ? rows - g0 : MAX_ROWS;
         n = tile_sums(Q8, w, out_features, in_features, x + (int64_t)g0 * x_stride, x_stride,
-                      group, t, tile + g0, rows == 1 ? x16 : NULL);
+                      group, t, tile + g0);
     }
     return n;
 }

@@ -26,14 +26,12 @@
  */
 #include "cpu_quant_blocks.h"
 #include "cpu_quant_dot.h"
-#include <stdlib.h>
 
 /* y = x W^T for blocks of kind q8 (1: Q8_0, 0: Q4_1), by the threads of a running OpenMP
- * region: tiles in static runs, up to ROWS_MAX rows at once through each tile (tile_sums_rows);
- * x16: the one row of x quantized (cpu_quant_dot.h), or NULL. */
+ * region: tiles in static runs, up to ROWS_MAX rows at once through each tile (tile_sums_rows). */
 static inline void gemv_tiles(int q8, const uint8_t *w, int64_t out_features, int64_t in_features,
                               const float *x, int64_t x_stride, int rows, float *y,
-                              int64_t y_stride, const X16 *x16) {
+                              int64_t y_stride) {
     const int64_t num_tiles = num_tiles_of(out_features);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < num_tiles; ++t) {
@@ -41,48 +39,33 @@ static inline void gemv_tiles(int q8, const uint8_t *w, int64_t out_features, in
         for (int g0 = 0; g0 < rows; g0 += ROWS_MAX) {
             const int group = rows - g0 < ROWS_MAX ? rows - g0 : ROWS_MAX;
             const float *xg = x + (int64_t)g0 * x_stride;
-            const int n = q8 ? tile_sums_rows(1, w, out_features, in_features, xg, x_stride, group, t, tile, x16)
-                             : tile_sums_rows(0, w, out_features, in_features, xg, x_stride, group, t, tile, x16);
+            const int n = q8 ? tile_sums_rows(1, w, out_features, in_features, xg, x_stride, group, t, tile)
+                             : tile_sums_rows(0, w, out_features, in_features, xg, x_stride, group, t, tile);
             tile_store(0, out_features, tile, group, n, y + (int64_t)g0 * y_stride, y_stride, t);
         }
     }
 }
 
-/* 0, or -2: no memory for x in int16 */
-static inline int gemv(const int q8, const uint8_t *w, int64_t out_features, int64_t in_features,
-                       const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride,
-                       int num_threads, int x16) {
+static inline void gemv(const int q8, const uint8_t *w, int64_t out_features,
+                        int64_t in_features, const float *x, int64_t x_stride, int rows, float *y,
+                        int64_t y_stride, int num_threads) {
     (void)num_threads;
-    X16 q = {NULL, NULL, NULL}, *xq = NULL;
-#if ISA_LEVEL == X16_LEVEL
-    if (x16 && rows == 1) { /* quantized once, read by every thread */
-        const int nb = (int)(in_features / QK);
-        float *buf = malloc(sizeof(float) * 2 * (size_t)nb + sizeof(int16_t) * (size_t)in_features);
-        if (buf == NULL) return -2;
-        q = (X16){(int16_t *)(buf + 2 * nb), buf, buf + nb};
-        quantize_x16(x, nb, &q);
-        xq = &q;
-    }
-#else
-    (void)x16;
-#endif
 #pragma omp parallel num_threads(num_threads) if (out_features >= 64)
-    gemv_tiles(q8, w, out_features, in_features, x, x_stride, rows, y, y_stride, xq);
-    free(q.scale);
+    gemv_tiles(q8, w, out_features, in_features, x, x_stride, rows, y, y_stride);
+}
+
+/* 0 on success, -1 for a shape the kernel does not take (in not a multiple of 32, no rows); the
+ * wrapper checks these first. */
+int gemv_q4_1(const uint8_t *w, int64_t out_features, int64_t in_features, const float *x,
+              int64_t x_stride, int rows, float *y, int64_t y_stride, int num_threads) {
+    if (in_features % QK || rows < 1) return -1;
+    gemv(0, w, out_features, in_features, x, x_stride, rows, y, y_stride, num_threads);
     return 0;
 }
 
-/* 0 on success, -1 for a shape the kernel does not take (in not a multiple of 32, no rows), -2
- * out of memory; the wrapper checks the shapes first. x16: a call of one row takes x in int16
- * where the library has it (kernel_x16()), else it is ignored. */
-int gemv_q4_1(const uint8_t *w, int64_t out_features, int64_t in_features, const float *x,
-              int64_t x_stride, int rows, float *y, int64_t y_stride, int num_threads, int x16) {
-    if (in_features % QK || rows < 1) return -1;
-    return gemv(0, w, out_features, in_features, x, x_stride, rows, y, y_stride, num_threads, x16);
-}
-
 int gemv_q8_0(const uint8_t *w, int64_t out_features, int64_t in_features, const float *x,
-              int64_t x_stride, int rows, float *y, int64_t y_stride, int num_threads, int x16) {
+              int64_t x_stride, int rows, float *y, int64_t y_stride, int num_threads) {
     if (in_features % QK || rows < 1) return -1;
-    return gemv(1, w, out_features, in_features, x, x_stride, rows, y, y_stride, num_threads, x16);
+    gemv(1, w, out_features, in_features, x, x_stride, rows, y, y_stride, num_threads);
+    return 0;
 }

@@ -59,7 +59,7 @@ _ISA_CODE = {"avx512": 2, "avx2": 1, "none": 0}  # what the library's kernel_isa
 LEVELS = IsaLevels(compiler_flags=_X86_ISA_FLAGS, needs=ISA_NEEDS, codes=_ISA_CODE)
 
 _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32, _i32]
+_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32]
 
 
 class GemvOptions(cbuild.KernelOptions):
@@ -71,7 +71,6 @@ class GemvOptions(cbuild.KernelOptions):
 def _bind(lib: ctypes.CDLL) -> None:
     for fn in (lib.gemv_q4_1, lib.gemv_q8_0):
         fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    lib.kernel_x16.argtypes, lib.kernel_x16.restype = [], ctypes.c_int
 
 
 _KERNEL = cbuild.CKernel(
@@ -97,13 +96,6 @@ def best_isa(flags: frozenset[str], x86: bool = True) -> str:
 
 def available() -> bool:
     return load() is not None
-
-
-def has_x16(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the built level takes a step's one row of x in int16 (`quant_gemv(x16=True)`,
-    the fused decode forward's `x16`): the AVX2 level, where it was measured."""
-    lib = lib or load()
-    return lib is not None and bool(lib.kernel_x16())
 
 
 def check_blocks(blocks: Tensor, kind: str, in_features: int) -> None:
@@ -133,13 +125,8 @@ def quant_gemv(
     kind: BlockKind,
     out: Tensor | None = None,  # [rows, out] fp32, rows contiguous; default: a new tensor
     lib: ctypes.CDLL | None = None,  # default: load()
-    x16: bool = False,
 ) -> Tensor:
-    """x @ W.T for the weight W [out, in] that `blocks` hold, in fp32 -> [rows, out].
-
-    `x16`: a call of one row quantizes it to int16 per block of 32 (2^-16 of the block's largest
-    value; cpu_quant_dot.h) and takes integer dot products, where the level has it (`has_x16`);
-    otherwise, and for more rows, it changes nothing."""
+    """x @ W.T for the weight W [out, in] that `blocks` hold, in fp32 -> [rows, out]."""
     lib = lib or load()
     if lib is None:
         raise RuntimeError("the CPU quantized GEMV kernel is not available (see the log)")
@@ -175,10 +162,7 @@ def quant_gemv(
         out.data_ptr(),
         out.stride(0),
         torch.get_num_threads(),
-        int(x16),
     )
-    if status == -2:
-        raise MemoryError("the CPU quantized GEMV could not allocate x in int16")
     assert status == 0, f"gemv_{kind} refused a shape the wrapper checked: {tuple(x.shape)}"
     return out
 

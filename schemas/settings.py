@@ -412,12 +412,6 @@ FUSED_DECODE = declare(Setting[bool](
     "0: layer by layer in torch",
     readers=("engine",),
 ))  # fmt: skip
-INT16_DECODE = declare(Setting[bool](
-    name="BRIGADE_INT16_DECODE", kind="bool", default=True,
-    help="fp32 GGUF steps of one token take each linear's input in int16 per block of 32 "
-    "(AVX2; kernels/cpu_quant_dot.h); 0: fp32 inputs at every step",
-    readers=("engine",),
-))  # fmt: skip
 CPU_KERNEL = declare(Setting[bool](
     name="BRIGADE_CPU_KERNEL", kind="bool", default=True,
     help="the compiled CPU paged-attention kernel; 0: the pure-torch reference",

@@ -162,7 +162,6 @@ def engine_config_from_env() -> Any:
         (settings.NUM_SPECULATIVE_TOKENS, "num_speculative_tokens"),
         (settings.QUANTIZED_GEMV, "quantized_gemv"),
         (settings.FUSED_DECODE, "fused_decode"),
-        (settings.INT16_DECODE, "int16_decode"),
     ):
         if found.source(setting) == "env":  # else EngineConfig's own default (the same)
             kwargs[name] = found[setting]

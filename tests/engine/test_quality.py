@@ -39,7 +39,6 @@ def default_scores():
         batch_invariant=d["batch_invariant"],
         quantized_gemv=d["quantized_gemv"],
         fused_decode=d["fused_decode"],
-        int16_decode=d["int16_decode"],
     )
     kv = None if d["kv_cache_dtype"] == "auto" else DTYPES[d["kv_cache_dtype"]]
     try:

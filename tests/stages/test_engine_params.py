@@ -96,10 +96,6 @@ def test_engine_config_from_the_environment(monkeypatch):
     monkeypatch.setenv("BRIGADE_FUSED_DECODE", "0")
     assert engine_config_from_env().fused_decode is False
     monkeypatch.delenv("BRIGADE_FUSED_DECODE")
-    assert engine_config_from_env().int16_decode is True
-    monkeypatch.setenv("BRIGADE_INT16_DECODE", "0")
-    assert engine_config_from_env().int16_decode is False
-    monkeypatch.delenv("BRIGADE_INT16_DECODE")
     assert engine_config_from_env().kv_cache_dtype == "auto"
     monkeypatch.setenv("BRIGADE_KV_CACHE_DTYPE", "float16")
     assert engine_config_from_env().kv_cache_dtype == "float16"

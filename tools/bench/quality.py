@@ -44,7 +44,6 @@ class QualityConfig:
     enable_prefix_caching: bool = False
     quantized_gemv: bool = True  # fp32 GGUF decode on the Q4_1 / Q8_0 blocks (gguf_linear.py)
     fused_decode: bool = True  # and its steps of <= 32 tokens in one C call (cpu_decode.py)
-    int16_decode: bool = True  # and one-token steps' linear inputs in int16 (cpu_quant_dot.h)
     kv_cache_dtype: str = "auto"  # the model's dtype, or float16 under float32
     engine_kwargs: dict = field(default_factory=dict)
 
@@ -58,7 +57,6 @@ class QualityConfig:
             "enable_prefix_caching": self.enable_prefix_caching,
             "quantized_gemv": self.quantized_gemv,
             "fused_decode": self.fused_decode,
-            "int16_decode": self.int16_decode,
             "kv_cache_dtype": self.kv_cache_dtype,
         }
 
@@ -71,16 +69,11 @@ def all_configs() -> list[QualityConfig]:
         label += " + GGUF blocks: GEMV up to 32 rows, GEMM above"
         if default["fused_decode"]:
             label += "; steps up to 32 tokens fused"
-        if default["int16_decode"]:
-            label += "; one-token steps' inputs in int16"
     if default["kv_cache_dtype"] != "auto":
         label += f"; {default['kv_cache_dtype']} KV cache"
     rows = [QualityConfig(f"default ({label})", **default)]
     rows.append(QualityConfig("float32 GGUF blocks, layer by layer (fused decode off)",
                               **{**default, "fused_decode": False}))  # fmt: skip
-    if default["int16_decode"]:
-        rows.append(QualityConfig("float32 GGUF blocks, fp32 inputs at every step (int16 decode off)",
-                                  **{**default, "int16_decode": False}))  # fmt: skip
     for kv in ("auto", "float16"):
         if kv != default["kv_cache_dtype"]:
             name = f"float32 GGUF blocks, {'fp32' if kv == 'auto' else kv} KV cache"
@@ -137,7 +130,6 @@ def _default_fields() -> dict:
         "enable_prefix_caching": c.enable_prefix_caching,
         "quantized_gemv": c.quantized_gemv,
         "fused_decode": c.fused_decode,
-        "int16_decode": c.int16_decode,
         "kv_cache_dtype": c.kv_cache_dtype,
     }
 
@@ -350,7 +342,6 @@ def run(args: argparse.Namespace) -> int:
                 batch_invariant=c.batch_invariant,
                 quantized_gemv=c.quantized_gemv,
                 fused_decode=c.fused_decode,
-                int16_decode=c.int16_decode,
             )
             kv = None if c.kv_cache_dtype == "auto" else DTYPES[c.kv_cache_dtype]
             row["teacher_forced"] = teacher_forced(
