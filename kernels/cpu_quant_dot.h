@@ -11,6 +11,13 @@
 #ifndef BRIGADE_CPU_QUANT_DOT_H
 #define BRIGADE_CPU_QUANT_DOT_H
 #define MAX_ROWS 8
+/* How far past the next pair's blocks a one-row pair prefetches. A step reads its weights from
+ * DRAM, and the next pair alone (a row or two of blocks, ~1 KiB) is less than a core keeps in
+ * flight: the loads of the pair's second row stalled 41 % of a step's GEMV time (perf). 4 KiB
+ * ahead, one stream's engine decode, alternated with the next pair alone: AVX-512 1.4-1.6x, the
+ * AVX2 level on the same CPU 1.3-1.4x; 2 to 16 KiB within the noise of each other
+ * (docs/benchmarks.md). Prefetches past the end of the weights are harmless. */
+#define PAIR_PREFETCH_AHEAD 4096
 #define TABLE_ROWS 4 /* AVX-512: Q4_1 weights looked up from the block's 16 values up to this many rows */
 
 #if ISA_LEVEL == 2
@@ -27,9 +34,10 @@ static inline __attribute__((always_inline)) void dot_pair(const int Q8, const u
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     for (int b = 0; b < nb; ++b) {
         __m512 wa[2], wb[2];
-        /* the next pair's blocks, as far ahead: see the AVX2 level's */
-        __builtin_prefetch(w + 2 * row_bytes + (int64_t)b * block_bytes);
-        __builtin_prefetch(w + 3 * row_bytes + (int64_t)b * block_bytes);
+        /* the blocks PAIR_PREFETCH_AHEAD past the next pair's: see the AVX2 level's */
+        const uint8_t *ahead = w + 2 * row_bytes + (int64_t)b * block_bytes + PAIR_PREFETCH_AHEAD;
+        __builtin_prefetch(ahead);
+        __builtin_prefetch(ahead + row_bytes);
         rebuild_block16(Q8, 1, w + (int64_t)b * block_bytes, wa);
         rebuild_block16(Q8, 1, w + row_bytes + (int64_t)b * block_bytes, wb);
         const float *xb = x + (int64_t)b * QK;
@@ -60,10 +68,12 @@ static inline __attribute__((always_inline)) void dot_pair(const int Q8, const u
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     for (int b = 0; b < nb; ++b) {
         __m256 wa[4], wb[4];
-        /* the next pair's blocks, as far ahead: the two interleaved streams are not the one
-         * sequential stream the hardware prefetcher follows (the LM head, from DRAM, took 2.8x) */
-        __builtin_prefetch(w + 2 * row_bytes + (int64_t)b * block_bytes);
-        __builtin_prefetch(w + 3 * row_bytes + (int64_t)b * block_bytes);
+        /* the blocks PAIR_PREFETCH_AHEAD past the next pair's: the two interleaved streams are
+         * not the one sequential stream the hardware prefetcher follows (the LM head, from DRAM,
+         * took 2.8x without), and the next pair alone is too short a distance for DRAM */
+        const uint8_t *ahead = w + 2 * row_bytes + (int64_t)b * block_bytes + PAIR_PREFETCH_AHEAD;
+        __builtin_prefetch(ahead);
+        __builtin_prefetch(ahead + row_bytes);
         rebuild_block8(Q8, w + (int64_t)b * block_bytes, wa);
         rebuild_block8(Q8, w + row_bytes + (int64_t)b * block_bytes, wb);
         const float *xb = x + (int64_t)b * QK;
