@@ -214,56 +214,81 @@ static inline __attribute__((always_inline)) int tile_sums(
 }
 
 /* Up to ROWS_MAX rows through tile t at once -> tile[r][j] (ROWS_MAX rows of TILE); its width.
- * At AVX2 a step of PANEL_MIN_ROWS or more rows goes in panels (below); otherwise, and at the
- * other levels, the rows go through tile_sums in groups of MAX_ROWS, each group rebuilding the
+ * With vectors, a step of PANEL_MIN_ROWS or more rows goes in panels (below); otherwise, and
+ * without, the rows go through tile_sums in groups of MAX_ROWS, each group rebuilding the
  * tile's blocks again. Either way each sum is dot_row's, bit for bit. */
 #define ROWS_MAX 32
-#if ISA_LEVEL == 1
-/* Many rows at AVX2. dot_row keeps 2 accumulators a row and 4 rebuilt weight vectors: past 6
- * rows that is more than AVX2's 16 registers, and every spill is a load and a store beside each
- * row's 4 loads of x a block, so 8 rows ran at ~40 % of the FMA peak, and each group of 8 rows
- * rebuilt the tile's blocks again. Here a panel of PANEL_F features is rebuilt once into an L1
- * buffer of fp32 weights, then every PANEL_R rows of the step go over it with PANEL_F x PANEL_R x
- * 2 accumulators: each x vector loaded serves PANEL_F features and each weight vector PANEL_R
- * rows, 12 accumulators, 2 x and 1 weight vector in 15 registers (10 loads for 12 FMAs where
- * dot_row's 8 rows spent 8 loads of x and the spills' for 8). The accumulators take the chunks of
- * 8 weights alternately, as dot_row's do (chunk c of a feature into acc[c & 1]), with the same
- * FMAs in the same order: the same sums, bit for bit. 30 layers' linears from DRAM, 2 threads:
- * 1.23-1.34x at 8 to 32 rows, a tie at 6 (docs/benchmarks.md). */
+#if ISA_LEVEL > 0
+/* Many rows. dot_row keeps 2 accumulators a row and its rebuilt weight vectors: at AVX2 past 6
+ * rows that is more than its 16 registers, and every spill is a load and a store beside each
+ * row's 4 loads of x a block, so 8 rows ran at ~40 % of the FMA peak; at both levels each group
+ * of 8 rows rebuilt the tile's blocks again (a 32-row step four times). Here a panel of PANEL_F
+ * features is rebuilt once into an L1 buffer of fp32 weights, then every PANEL_R rows of the step
+ * go over it with PANEL_F x PANEL_R x 2 accumulators: each x vector loaded serves PANEL_F
+ * features and each weight vector PANEL_R rows. AVX2: 12 accumulators, 2 x and 1 weight vector
+ * in 15 registers (10 loads for 12 FMAs where dot_row's 8 rows spent 8 loads of x and the
+ * spills' for 8); AVX-512: 24 accumulators, 3 x and 1 weight vector of its 32 (7 loads for 12
+ * FMAs). The accumulators take the chunks of a block alternately, as dot_row's do (chunk c of a
+ * feature into acc[c & 1]), with the same FMAs in the same order: the same sums, bit for bit.
+ * 30 layers' linears from DRAM, 2 threads, AVX2: 1.23-1.34x at 8 to 32 rows, a tie at 6;
+ * AVX-512: docs/benchmarks.md. */
+#if ISA_LEVEL == 2
+typedef __m512 vec_t;
+#define VW 16 /* floats a vector */
+#define PANEL_F 4
+#define PANEL_R 3
+#define vec_zero _mm512_setzero_ps
+#define vec_loadu _mm512_loadu_ps
+#define vec_load _mm512_load_ps
+#define vec_store _mm512_store_ps
+#define vec_fmadd _mm512_fmadd_ps
+#define vec_add _mm512_add_ps
+#define REBUILD(Q8, blk, wv) rebuild_block16(Q8, 0, blk, wv)
+#else
+typedef __m256 vec_t;
+#define VW 8
 #define PANEL_F 3
 #define PANEL_R 2
+#define vec_zero _mm256_setzero_ps
+#define vec_loadu _mm256_loadu_ps
+#define vec_load _mm256_load_ps
+#define vec_store _mm256_store_ps
+#define vec_fmadd _mm256_fmadd_ps
+#define vec_add _mm256_add_ps
+#define REBUILD(Q8, blk, wv) rebuild_block8(Q8, blk, wv)
+#endif
 #define PANEL_MIN_ROWS 7
-#define PANEL_MAX_IN 4096 /* the buffer, PANEL_F rows of fp32 weights, on the stack: 48 KiB */
+/* the buffer, PANEL_F rows of fp32 weights, on the stack: 48 KiB */
+#define PANEL_MAX_IN (12288 / PANEL_F)
 
 static inline __attribute__((always_inline)) void panel_dot(const int F, const int R,
                                                             const float *wb, int64_t in,
                                                             const float *x, int64_t x_stride,
                                                             float *sums) {
-    __m256 acc[PANEL_F][PANEL_R][2];
+    vec_t acc[PANEL_F][PANEL_R][2];
     for (int f = 0; f < F; ++f)
-        for (int r = 0; r < R; ++r) acc[f][r][0] = acc[f][r][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < in; k += 16) {
+        for (int r = 0; r < R; ++r) acc[f][r][0] = acc[f][r][1] = vec_zero();
+    for (int64_t k = 0; k < in; k += 2 * VW) {
         for (int h = 0; h < 2; ++h) {
-            __m256 xv[PANEL_R];
+            vec_t xv[PANEL_R];
             for (int r = 0; r < R; ++r) {
-                xv[r] = _mm256_loadu_ps(x + r * x_stride + k + 8 * h);
+                xv[r] = vec_loadu(x + r * x_stride + k + VW * h);
                 /* in a register: folded into each FMA it would be loaded F times */
-                __asm__("" : "+x"(xv[r]));
+                __asm__("" : "+v"(xv[r]));
             }
             for (int f = 0; f < F; ++f) {
-                __m256 wv = _mm256_load_ps(wb + f * in + k + 8 * h);
-                __asm__("" : "+x"(wv));
-                for (int r = 0; r < R; ++r)
-                    acc[f][r][h] = _mm256_fmadd_ps(wv, xv[r], acc[f][r][h]);
+                vec_t wv = vec_load(wb + f * in + k + VW * h);
+                __asm__("" : "+v"(wv));
+                for (int r = 0; r < R; ++r) acc[f][r][h] = vec_fmadd(wv, xv[r], acc[f][r][h]);
             }
         }
     }
     for (int f = 0; f < F; ++f)
-        for (int r = 0; r < R; ++r) sums[f * R + r] = hsum(_mm256_add_ps(acc[f][r][0], acc[f][r][1]));
+        for (int r = 0; r < R; ++r) sums[f * R + r] = hsum(vec_add(acc[f][r][0], acc[f][r][1]));
 }
 
 #define PANEL_CASE(F, R)                                                          \
-    case (F) * 4 + (R):                                                           \
+    case (F) * 8 + (R):                                                           \
         panel_dot(F, R, wb, in_features, x + r0 * x_stride, x_stride, sums);      \
         break;
 
@@ -274,26 +299,30 @@ static inline __attribute__((always_inline)) int tile_sums_panel(
     const int64_t row_bytes = (int64_t)nb * block_bytes;
     const int64_t tile_size = tile_size_of(out_features), o0 = t * tile_size;
     const int n = out_features - o0 < tile_size ? (int)(out_features - o0) : (int)tile_size;
-    float wb[PANEL_F * PANEL_MAX_IN] __attribute__((aligned(32)));
+    float wb[PANEL_F * PANEL_MAX_IN] __attribute__((aligned(64)));
     for (int j = 0; j < n; j += PANEL_F) {
         const int nf = n - j < PANEL_F ? n - j : PANEL_F;
         for (int f = 0; f < nf; ++f) {
             const uint8_t *wr = w + (o0 + j + f) * row_bytes;
             for (int b = 0; b < nb; ++b) {
-                __m256 wv[4];
+                vec_t wv[QK / VW];
                 /* the next panel's row, as far ahead (a step's weights come from DRAM) */
                 __builtin_prefetch(wr + PANEL_F * row_bytes + (int64_t)b * block_bytes);
-                rebuild_block8(Q8, wr + (int64_t)b * block_bytes, wv);
-                for (int k = 0; k < 4; ++k)
-                    _mm256_store_ps(wb + f * in_features + (int64_t)b * QK + 8 * k, wv[k]);
+                REBUILD(Q8, wr + (int64_t)b * block_bytes, wv);
+                for (int k = 0; k < QK / VW; ++k)
+                    vec_store(wb + f * in_features + (int64_t)b * QK + VW * k, wv[k]);
             }
         }
         for (int r0 = 0; r0 < rows; r0 += PANEL_R) {
             const int nr = rows - r0 < PANEL_R ? rows - r0 : PANEL_R;
             float sums[PANEL_F * PANEL_R];
-            switch (nf * 4 + nr) {
+            switch (nf * 8 + nr) {
                 PANEL_CASE(1, 1) PANEL_CASE(1, 2) PANEL_CASE(2, 1)
                 PANEL_CASE(2, 2) PANEL_CASE(3, 1) PANEL_CASE(3, 2)
+#if PANEL_F > 3 || PANEL_R > 2
+                PANEL_CASE(1, 3) PANEL_CASE(2, 3) PANEL_CASE(3, 3)
+                PANEL_CASE(4, 1) PANEL_CASE(4, 2) PANEL_CASE(4, 3)
+#endif
             }
             for (int f = 0; f < nf; ++f)
                 for (int r = 0; r < nr; ++r) tile[r0 + r][j + f] = sums[f * nr + r];
@@ -306,7 +335,7 @@ static inline __attribute__((always_inline)) int tile_sums_panel(
 static inline __attribute__((always_inline)) int tile_sums_rows(
     const int Q8, const uint8_t *w, int64_t out_features, int64_t in_features, const float *x,
     int64_t x_stride, int rows, int64_t t, float (*tile)[TILE]) {
-#if ISA_LEVEL == 1
+#if ISA_LEVEL > 0
     if (rows >= PANEL_MIN_ROWS && in_features <= PANEL_MAX_IN)
         return tile_sums_panel(Q8, w, out_features, in_features, x, x_stride, rows, t, tile);
 #endif

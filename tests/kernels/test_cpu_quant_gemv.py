@@ -104,7 +104,7 @@ def test_each_forced_level_matches_the_reference(level, kind, in_features, out_f
         lib = forced(level)
         blocks = random_blocks(kind, out_features, in_features, seed=in_features + out_features)
         gen = torch.Generator().manual_seed(out_features)
-        # rows in one group, several, a step's panels (AVX2, 7 to 32 rows) and past them; 4128
+        # rows in one group, several, a step's panels (7 to 32 rows) and past them; 4128
         # inputs are past the panel's buffer
         xs = torch.randn(qg.MAX_STEP_ROWS + 3, in_features, generator=gen)
         outs = []
