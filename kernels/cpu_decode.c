@@ -121,29 +121,10 @@ static void silu_mul(const float *g, const float *u, int n, float *out) {
 }
 
 /* The weighted sum of V for one head, o = inv * sum_t p[t] v[t], 64 dims at a time held in
- * registers over all keys (D a multiple of 64; AVX2 or AVX-512). */
-#if ISA_LEVEL > 0
+ * registers over all keys (D a multiple of 64; AVX2: 8 accumulator chains a head). */
+#if ISA_LEVEL == 1
 INLINE void weigh_values_64(const float *p, const void *v_cache, const int64_t *offs, int len,
                             int D, float inv, float *o, int half) {
-#if ISA_LEVEL == 2
-    for (int d0 = 0; d0 < D; d0 += 64) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int t = 0; t < len; ++t) {
-            const int64_t v = offs[t] + d0;
-            if (t + PREFETCH_KEYS < len) kv_prefetch(v_cache, offs[t + PREFETCH_KEYS] + d0, 64, half);
-            const __m512 pt = _mm512_set1_ps(p[t]);
-            a0 = _mm512_fmadd_ps(pt, kv_load16(v_cache, v, half), a0);
-            a1 = _mm512_fmadd_ps(pt, kv_load16(v_cache, v + 16, half), a1);
-            a2 = _mm512_fmadd_ps(pt, kv_load16(v_cache, v + 32, half), a2);
-            a3 = _mm512_fmadd_ps(pt, kv_load16(v_cache, v + 48, half), a3);
-        }
-        const __m512 s = _mm512_set1_ps(inv);
-        _mm512_storeu_ps(o + d0, _mm512_mul_ps(a0, s));
-        _mm512_storeu_ps(o + d0 + 16, _mm512_mul_ps(a1, s));
-        _mm512_storeu_ps(o + d0 + 32, _mm512_mul_ps(a2, s));
-        _mm512_storeu_ps(o + d0 + 48, _mm512_mul_ps(a3, s));
-    }
-#else
     for (int d0 = 0; d0 < D; d0 += 64) {
         __m256 a[8];
         for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
@@ -157,7 +138,40 @@ INLINE void weigh_values_64(const float *p, const void *v_cache, const int64_t *
         for (int i = 0; i < 8; ++i)
             _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(a[i], _mm256_set1_ps(inv)));
     }
+}
 #endif
+
+#if ISA_LEVEL == 2
+/* The weighted sums of V for N heads of a group at once, o[g] = inv[g] * sum_t p[g, t] v[t], 64
+ * dims at a time held in registers over all keys (D a multiple of 64): each token's V loaded once
+ * for the N heads, and 4 N accumulator chains, where one head at a time (4 chains) left the FMA
+ * pipes waiting on their latency and read V once a head (32 streams: docs/benchmarks.md). A
+ * head's sums are the same FMAs in the same order as one head at a time. */
+#define VALUE_HEADS 3
+INLINE void weigh_values_heads(const int N, const float *p, int len, const void *v_cache,
+                               const int64_t *offs, int D, const float *inv, float *o, int half) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        __m512 a[VALUE_HEADS][4];
+        for (int g = 0; g < N; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
+        for (int t = 0; t < len; ++t) {
+            const int64_t v = offs[t] + d0;
+            if (t + PREFETCH_KEYS < len) kv_prefetch(v_cache, offs[t + PREFETCH_KEYS] + d0, 64, half);
+            const __m512 v0 = kv_load16(v_cache, v, half), v1 = kv_load16(v_cache, v + 16, half);
+            const __m512 v2 = kv_load16(v_cache, v + 32, half), v3 = kv_load16(v_cache, v + 48, half);
+            for (int g = 0; g < N; ++g) {
+                const __m512 pt = _mm512_set1_ps(p[(int64_t)g * len + t]);
+                a[g][0] = _mm512_fmadd_ps(pt, v0, a[g][0]);
+                a[g][1] = _mm512_fmadd_ps(pt, v1, a[g][1]);
+                a[g][2] = _mm512_fmadd_ps(pt, v2, a[g][2]);
+                a[g][3] = _mm512_fmadd_ps(pt, v3, a[g][3]);
+            }
+        }
+        for (int g = 0; g < N; ++g) {
+            const __m512 s = _mm512_set1_ps(inv[g]);
+            float *og = o + (int64_t)g * D + d0;
+            for (int i = 0; i < 4; ++i) _mm512_storeu_ps(og + 16 * i, _mm512_mul_ps(a[g][i], s));
+        }
+    }
 }
 #endif
 
@@ -241,7 +255,8 @@ INLINE void attend(const float *q, const void *k_cache, const void *v_cache, con
             if (s > mx[g]) mx[g] = s;
         }
     }
-    for (int g = 0; g < G; ++g) { /* softmax numerators and their sums, then the V sums */
+    float inv[MAX_GROUP];
+    for (int g = 0; g < G; ++g) { /* softmax numerators and their sums */
         float *sg = scores + (int64_t)g * len, sum = 0.0f;
         const float m = mx[g];
 #pragma omp simd reduction(+ : sum)
@@ -250,23 +265,38 @@ INLINE void attend(const float *q, const void *k_cache, const void *v_cache, con
             sg[t] = e;
             sum += e;
         }
+        inv[g] = 1.0f / sum;
+    }
+#if ISA_LEVEL == 2
+    if (D % 64 == 0) { /* the V sums, the group's heads VALUE_HEADS at a time */
+        for (int g0 = 0; g0 < G; g0 += VALUE_HEADS) {
+            const int n = G - g0 < VALUE_HEADS ? G - g0 : VALUE_HEADS;
+            switch (n) {
+            case 1: weigh_values_heads(1, scores + (int64_t)g0 * len, len, v_cache, offs, D, inv + g0, o + g0 * D, half); break;
+            case 2: weigh_values_heads(2, scores + (int64_t)g0 * len, len, v_cache, offs, D, inv + g0, o + g0 * D, half); break;
+            default: weigh_values_heads(3, scores + (int64_t)g0 * len, len, v_cache, offs, D, inv + g0, o + g0 * D, half); break;
+            }
+        }
+        return;
+    }
+#endif
+    for (int g = 0; g < G; ++g) { /* the V sums */
+        const float *sg = scores + (int64_t)g * len;
         float *og = o + g * D;
-#if ISA_LEVEL > 0
+#if ISA_LEVEL == 1
         if (D % 64 == 0) {
-            weigh_values_64(sg, v_cache, offs, len, D, 1.0f / sum, og, half);
+            weigh_values_64(sg, v_cache, offs, len, D, inv[g], og, half);
             continue;
         }
 #endif
-        {
-            memset(og, 0, sizeof(float) * D);
-            for (int t = 0; t < len; ++t) {
-                const int64_t v = offs[t];
-                const float pt = sg[t];
+        memset(og, 0, sizeof(float) * D);
+        for (int t = 0; t < len; ++t) {
+            const int64_t v = offs[t];
+            const float pt = sg[t];
 #pragma omp simd
-                for (int d = 0; d < D; ++d) og[d] += pt * kv_at(v_cache, v + d, half);
-            }
-            for (int d = 0; d < D; ++d) og[d] *= 1.0f / sum;
+            for (int d = 0; d < D; ++d) og[d] += pt * kv_at(v_cache, v + d, half);
         }
+        for (int d = 0; d < D; ++d) og[d] *= inv[g];
     }
 }
 
