@@ -147,11 +147,11 @@ INLINE void weigh_values_64(const float *p, const void *v_cache, const int64_t *
  * for the N heads, and 4 N accumulator chains, where one head at a time (4 chains) left the FMA
  * pipes waiting on their latency and read V once a head (32 streams: docs/benchmarks.md). A
  * head's sums are the same FMAs in the same order as one head at a time. */
-#define VALUE_HEADS 3
+#define HEADS_AT_ONCE 3 /* a group's query heads per pass over its values (AVX-512) */
 INLINE void weigh_values_heads(const int N, const float *p, int len, const void *v_cache,
                                const int64_t *offs, int D, const float *inv, float *o, int half) {
     for (int d0 = 0; d0 < D; d0 += 64) {
-        __m512 a[VALUE_HEADS][4];
+        __m512 a[HEADS_AT_ONCE][4];
         for (int g = 0; g < N; ++g) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm512_setzero_ps();
         for (int t = 0; t < len; ++t) {
             const int64_t v = offs[t] + d0;
@@ -268,9 +268,9 @@ INLINE void attend(const float *q, const void *k_cache, const void *v_cache, con
         inv[g] = 1.0f / sum;
     }
 #if ISA_LEVEL == 2
-    if (D % 64 == 0) { /* the V sums, the group's heads VALUE_HEADS at a time */
-        for (int g0 = 0; g0 < G; g0 += VALUE_HEADS) {
-            const int n = G - g0 < VALUE_HEADS ? G - g0 : VALUE_HEADS;
+    if (D % 64 == 0) { /* the V sums, the group's heads HEADS_AT_ONCE at a time */
+        for (int g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
+            const int n = G - g0 < HEADS_AT_ONCE ? G - g0 : HEADS_AT_ONCE;
             switch (n) {
             case 1: weigh_values_heads(1, scores + (int64_t)g0 * len, len, v_cache, offs, D, inv + g0, o + g0 * D, half); break;
             case 2: weigh_values_heads(2, scores + (int64_t)g0 * len, len, v_cache, offs, D, inv + g0, o + g0 * D, half); break;
