@@ -271,11 +271,11 @@ INLINE void attend(const float *q, const void *k_cache, const void *v_cache, con
     if (D % 64 == 0) { /* the V sums, the group's heads HEADS_AT_ONCE at a time */
         for (int g0 = 0; g0 < G; g0 += HEADS_AT_ONCE) {
             const int n = G - g0 < HEADS_AT_ONCE ? G - g0 : HEADS_AT_ONCE;
-            switch (n) {
-            case 1: weigh_values_heads(1, scores + (int64_t)g0 * len, len, v_cache, offs, D, inv + g0, o + g0 * D, half); break;
-            case 2: weigh_values_heads(2, scores + (int64_t)g0 * len, len, v_cache, offs, D, inv + g0, o + g0 * D, half); break;
-            default: weigh_values_heads(3, scores + (int64_t)g0 * len, len, v_cache, offs, D, inv + g0, o + g0 * D, half); break;
-            }
+            const float *pg = scores + (int64_t)g0 * len;
+            float *og = o + g0 * D;
+            if (n == 1) weigh_values_heads(1, pg, len, v_cache, offs, D, inv + g0, og, half);
+            else if (n == 2) weigh_values_heads(2, pg, len, v_cache, offs, D, inv + g0, og, half);
+            else weigh_values_heads(3, pg, len, v_cache, offs, D, inv + g0, og, half);
         }
         return;
     }
