@@ -258,6 +258,12 @@ def test_one_kv_head_a_query_head_matches_too():
         assert_matches_torch(model, CASES[case])
 
 
+def test_a_group_of_more_query_heads_than_one_pass_weighs_matches_too():
+    model = small_model(64, kv_heads=1)  # G = 4: AVX-512 weighs V for 3 heads, then for 1
+    for case in ("decode rows of four contexts", "a prefill chunk beside decode rows"):
+        assert_matches_torch(model, CASES[case])
+
+
 def test_both_attention_splits_match(model):
     """Fewer (token, KV head) items than 4 a thread split by query head, more by KV head: at 1
     thread a 14-token step takes the KV-head split, at 8 the query-head one."""
