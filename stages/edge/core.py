@@ -313,7 +313,7 @@ class Edge:
             idle_timeout_s=self.config.idle_timeout_s,
             deadline_s=deadline_s,
             keepalive_s=self.config.keepalive_s,
-            gap_timeout_s=gap_timeout_for(self.bus.config.ack_wait_s),
+            gap_timeout_s=gap_timeout_for(self.bus.config.ack_wait_s, self.bus.config.max_deliver),
             on_event=observe,
         )
 

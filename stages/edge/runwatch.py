@@ -8,9 +8,10 @@ consumer is unsubscribed when done, so nothing is left behind per request. While
 Until an engine takes the run (its first `tokens`), the wait is bounded by the run's deadline
 instead (`DeadlinePassed`), and `events()` says every `keepalive_s` of silence that it waits.
 After the terminal event, missing deltas are waited for `gap_timeout_s`: the edge sets it past
-the bus's redelivery time (`gap_timeout_for`), since a detokenizer killed holding a `tokens`
-event has it redelivered only after the ack wait, while its successor may already have ended
-the run from the `finished` that came next.
+the bus's redelivery time (`gap_timeout_for`). A detokenizer killed holding a `tokens` event
+has it redelivered only after the ack wait, and one whose publish found the bus away (an
+election) hands it back for 1, 2, 4 ... s; either way its successor may already have ended the
+run from the `finished` that came next.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from schemas.events import (
 )
 from stages.edge.follow import answer_run_follows
 from stages.edge.reorder import ReorderBuffer
-from stages.runtime.failures import bus_unavailable
+from stages.runtime.failures import bus_away_span_s, bus_unavailable
 
 Terminal = RunCompleted | RunCancelled | RequestFailed
 TERMINAL_TAGS = ("completed", "cancelled", "failed")
@@ -67,10 +68,11 @@ class Waiting:
 GAP_SLACK_S = 2.0  # past the redelivery: the restarted detokenizer's work and its publish
 
 
-def gap_timeout_for(ack_wait_s: float) -> float:
+def gap_timeout_for(ack_wait_s: float, max_deliver: int) -> float:
     """How long after its terminal event a run's missing text may still come: a delivery to a
-    dead consumer is redelivered after `ack_wait_s`, then decoded and published."""
-    return ack_wait_s + GAP_SLACK_S
+    dead consumer is redelivered after `ack_wait_s`, one whose publish found the bus away comes
+    back over its stage's nak waits (`bus_away_span_s`); then it is decoded and published."""
+    return max(ack_wait_s, bus_away_span_s(max_deliver)) + GAP_SLACK_S
 
 
 class RunWatch:

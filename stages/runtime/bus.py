@@ -140,6 +140,7 @@ class _Unacked:
     due: float  # monotonic: published again when no ack came by then
     give_up: float  # monotonic: past this the publish fails
     wait_s: float  # how long the attempt in flight is given
+    sent_at: float  # monotonic: when the attempt in flight went out
 
 
 class Bus:
@@ -153,6 +154,7 @@ class Bus:
         self._pulls: list[JetStreamContext.PullSubscription] = []
         self._unacked: deque[_Unacked] = deque()  # pipelined publishes without an ack yet
         self._ack_watch: asyncio.Task | None = None
+        self._acked_sent_at = 0.0  # the latest-sent attempt that got its ack: the bus was up then
         self.num_republished = 0
 
     @classmethod
@@ -357,7 +359,10 @@ class Bus:
     async def publish(self, event: Event) -> api.PubAck:
         """Publish one event into the log and wait for the stream's ack (dedupe by Nats-Msg-Id)."""
         subject, payload, headers = self._prepare(event)
-        return await self.js.publish(subject, payload, headers=headers)
+        sent_at = time.monotonic()
+        ack = await self.js.publish(subject, payload, headers=headers)
+        self._acked_sent_at = max(self._acked_sent_at, sent_at)  # the bus is up: see _watch_acks
+        return ack
 
     async def publish_async(self, event: Event) -> asyncio.Future[api.PubAck]:
         """Pipelined publish: returns the ack future at once (tokens, text deltas).
@@ -366,8 +371,11 @@ class Bus:
         (an election) or a server that dies before storing it gets no answer at all. So the bus
         watches every pipelined publish: one without an ack after `publish_ack_timeout_s` (1 s)
         is published again (its Nats-Msg-Id stores it once), then after 2, 4, 5, 5 ... s, until
-        `publish_give_up_s`, when the future fails. It is published again then, not when the publisher comes to await it: a
-        run's tokens lost in an election are stored a few seconds late, not after its end."""
+        `publish_give_up_s`, when the future fails. It is published again then, not when the
+        publisher comes to await it: a run's tokens lost in an election are stored a few seconds
+        late, not after its end. And once a publish sent later is acked, the stream is back: what
+        still waits on a backoff is published again at the next look (`ACK_CHECK_S`), so an
+        event sent after it (a run's `finished`) is not stored seconds ahead of it."""
         message = self._prepare(event)
         subject, payload, headers = message
         sent = await self.js.publish_async(subject, payload, headers=headers)
@@ -375,8 +383,8 @@ class Bus:
         now = time.monotonic()
         c = self.config
         pending = _Unacked(event, message, sent, acked, now + c.publish_ack_timeout_s,
-                           now + c.publish_give_up_s, c.publish_ack_timeout_s)  # fmt: skip
-        sent.add_done_callback(lambda f: _settle(pending, f))
+                           now + c.publish_give_up_s, c.publish_ack_timeout_s, now)  # fmt: skip
+        sent.add_done_callback(lambda f: self._settle(pending, f))
         self._unacked.append(pending)
         if self._ack_watch is None or self._ack_watch.done():
             self._ack_watch = asyncio.create_task(self._watch_acks())
@@ -388,9 +396,11 @@ class Bus:
             now = time.monotonic()
             waiting: deque[_Unacked] = deque()
             again: list[_Unacked] = []
+            back = self._acked_sent_at  # a later attempt got its ack: the stream is up again
             for pending in self._unacked:  # few: a healthy server acks within milliseconds
                 if not pending.acked.done():
-                    (again if pending.due <= now else waiting).append(pending)
+                    lost = pending.sent_at < back and now - pending.sent_at >= ACK_CHECK_S
+                    (again if pending.due <= now or lost else waiting).append(pending)
             self._unacked = waiting
             if again:
                 await self._publish_again(again, now)
@@ -419,6 +429,7 @@ class Bus:
                 2 * pending.wait_s, max(PUBLISH_RETRY_MAX_S, self.config.publish_ack_timeout_s)
             )
             pending.due = min(now + pending.wait_s, pending.give_up)
+            pending.sent_at = time.monotonic()
             try:
                 subject, payload, headers = pending.message
                 pending.sent = await self.js.publish_async(subject, payload, headers=headers)
@@ -427,9 +438,23 @@ class Bus:
                     pending.acked.set_exception(err)
                     continue
             else:
-                pending.sent.add_done_callback(lambda f, p=pending: _settle(p, f))
+                pending.sent.add_done_callback(lambda f, p=pending: self._settle(p, f))
             self.num_republished += 1
             self._unacked.append(pending)
+
+    def _settle(self, pending: _Unacked, sent: asyncio.Future[api.PubAck]) -> None:
+        """An attempt answered: any attempt's ack is the publish's; the current attempt's
+        refusal fails it unless it says the bus is away (no responders mid-election: the next
+        attempt). The current attempt's ack also says the bus was up when it went out."""
+        if pending.acked.done() or sent.cancelled():
+            return
+        err = sent.exception()
+        if err is None:
+            pending.acked.set_result(sent.result())
+            if sent is pending.sent and pending.sent_at > self._acked_sent_at:
+                self._acked_sent_at = pending.sent_at
+        elif sent is pending.sent and not bus_unavailable(err):
+            pending.acked.set_exception(err)
 
     async def publish_all(self, events: list[Event]) -> list[api.PubAck]:
         """Publish several events pipelined and wait until every one is acknowledged."""
@@ -540,18 +565,6 @@ async def publish_submit(
 def _read_by_next_msg(sub: Subscription) -> bool:
     """A subscription with neither a callback nor a request's future: its reader calls next_msg."""
     return getattr(sub, "_cb", None) is None and getattr(sub, "_future", None) is None
-
-
-def _settle(pending: _Unacked, sent: asyncio.Future[api.PubAck]) -> None:
-    """An attempt answered: any attempt's ack is the publish's; the current attempt's refusal
-    fails it unless it says the bus is away (no responders mid-election: the next attempt)."""
-    if pending.acked.done() or sent.cancelled():
-        return
-    err = sent.exception()
-    if err is None:
-        pending.acked.set_result(sent.result())
-    elif sent is pending.sent and not bus_unavailable(err):
-        pending.acked.set_exception(err)
 
 
 def event_tag(event: Event) -> str:

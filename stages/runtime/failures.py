@@ -95,6 +95,19 @@ def bus_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, nats.errors.Error | nats.js.errors.Error | TimeoutError)
 
 
+def bus_away_delay_s(num_delivered: int) -> float:
+    """How long a stage hands a message back for when the bus was away on its `num_delivered`th
+    try: 1, 2, 4, 8 s ... up to 30 s, so the default five deliveries span a server restart or an
+    election (15 s)."""
+    return min(0.5 * 2.0**num_delivered, 30.0)
+
+
+def bus_away_span_s(max_deliver: int) -> float:
+    """How long after its first try a message handed back for the bus being away may still be
+    handled: the sum of its waits over every delivery but the last."""
+    return sum(bus_away_delay_s(d) for d in range(1, max_deliver))
+
+
 class Backoff:
     """Bounded exponential waits for retrying the bus: 0.1 s doubling to `max_s`."""
 

@@ -58,6 +58,7 @@ from stages.runtime.bus import Bus, BusConfig
 from stages.runtime.failures import (
     Backoff,
     StageError,
+    bus_away_delay_s,
     bus_unavailable,
     error_field,
     new_request_id,
@@ -362,7 +363,7 @@ class StageWorker:
             delivered = msg.metadata.num_delivered
             self.log.warning("publish failed (delivery %d): %s", delivered, err)
             if delivered < self.spec.max_deliver:  # the bus away: 1, 2, 4, 8 s (a restart)
-                await msg.nak(delay=min(0.5 * 2.0**delivered, 30.0))
+                await msg.nak(delay=bus_away_delay_s(delivered))
                 return
             raise
         reply_to = (msg.headers or {}).get(subjects.REPLY_HEADER)
@@ -595,7 +596,7 @@ def _retry_delay(held: Held, err: Exception) -> float:
     """0.2, 0.4, 0.8 s ... up to 5 s; for the bus being away 1, 2, 4, 8 s ... up to 30 s, so
     the default five deliveries span a server restart or an election (15 s)."""
     if bus_unavailable(err):
-        return min(0.5 * 2.0**held.num_delivered, 30.0)
+        return bus_away_delay_s(held.num_delivered)
     return min(0.1 * 2.0**held.num_delivered, 5.0)
 
 

@@ -72,7 +72,7 @@ async def test_a_delta_redelivered_after_the_end_still_reaches_the_client(bus_co
     bus = await Bus.connect(bus_config)
     try:
         await bus.ensure_streams()
-        gap = gap_timeout_for(0.8)  # an ack wait of 0.8 s: 2.8 s
+        gap = gap_timeout_for(0.8, 1)  # an ack wait of 0.8 s, one delivery: 2.8 s
         assert gap == 0.8 + GAP_SLACK_S
         async with RunWatch(bus.nc, bus.js, "redeliver1", gap_timeout_s=gap) as watch:
             await bus.nc.flush()
@@ -92,6 +92,15 @@ async def test_a_delta_redelivered_after_the_end_still_reaches_the_client(bus_co
             assert got == [0, 1, 2]
     finally:
         await bus.close()
+
+
+def test_the_gap_wait_covers_a_redelivery_and_a_publish_handed_back_through_an_election():
+    """A detokenizer whose text publish finds the bus away hands its `tokens` back for 1, 2, 4
+    and 8 s (five deliveries): with a 5 s ack wait the run's end may come 15 s before that text,
+    and with the default 30 s ack wait a dead consumer's redelivery is the longer."""
+    assert gap_timeout_for(5.0, 5) == 1 + 2 + 4 + 8 + GAP_SLACK_S
+    assert gap_timeout_for(30.0, 5) == 30.0 + GAP_SLACK_S
+    assert gap_timeout_for(5.0, 3) == 5.0 + GAP_SLACK_S  # waits of 1 and 2 s
 
 
 async def test_resume_replays_the_rest_from_the_log(bus_config):

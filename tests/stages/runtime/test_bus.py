@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from schemas import settings, subjects
-from schemas.events import CancelRequested, TextGenerated, TokensGenerated
+from schemas.events import CancelRequested, RunFinished, TextGenerated, TokensGenerated
 from stages.runtime import natsd
 from stages.runtime.bus import Bus, BusConfig, ConsumerSpec
 
@@ -129,6 +129,37 @@ async def test_pipelined_publishes_with_no_answer_are_published_again_together(
         assert [a.seq for a in acks] == list(range(1, 21))  # stored in seq order, once each
         replayed = await bus.replay("r1")
         assert [e.seq for e in replayed] == list(range(20))
+    finally:
+        await bus.close()
+
+
+@pytest.mark.parametrize("later", ["pipelined", "awaited"])
+async def test_once_a_later_publish_is_acked_the_ones_on_a_backoff_go_again_at_once(
+    bus_config: BusConfig, later: str
+) -> None:
+    """10 token events refused twice (no stream yet: published at 0, again at 0.5 and 1.5 s,
+    the next try due at 3.5 s). The stream comes back and a `finished` sent after them is
+    acked: the 10 are published again at the bus's next look, not 2 s later on their backoff,
+    so the log does not hold the run's end seconds ahead of its tokens."""
+    config = dataclasses.replace(bus_config, publish_ack_timeout_s=0.5)
+    bus = await Bus.connect(config)
+    try:
+        events = [TokensGenerated(request_id="r1", seq=i, token_ids=[i]) for i in range(10)]
+        futures = [await bus.publish_async(e) for e in events]
+        await anyio.sleep(1.7)
+        assert bus.num_republished == 20 and not any(f.done() for f in futures)
+        await bus.ensure_streams()
+        back = time.monotonic()
+        end = RunFinished(request_id="r1", finish_reason="length", last_seq=9)
+        await (bus.publish(end) if later == "awaited" else await bus.publish_async(end))
+        acks = [await bus.acked(e, f) for e, f in zip(events, futures, strict=True)]
+        waited = time.monotonic() - back
+        assert bus.num_republished == 30 and waited < 0.6, waited  # the backoff: 1.8 s
+        assert sorted(a.seq for a in acks) == list(range(2, 12))  # stored once each
+        replayed = await bus.replay("r1")
+        assert [(type(e).__name__, getattr(e, "seq", None)) for e in replayed] == [
+            ("RunFinished", None)
+        ] + [("TokensGenerated", i) for i in range(10)]
     finally:
         await bus.close()
 

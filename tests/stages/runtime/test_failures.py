@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from stages.runtime.failures import error_field, read_envelope
+from stages.runtime.failures import (
+    bus_away_delay_s,
+    bus_away_span_s,
+    error_field,
+    read_envelope,
+)
 
 
 def test_error_field_reads_msgspec_paths() -> None:
@@ -31,3 +36,9 @@ def test_a_duckdb_file_another_process_has_is_busy_and_other_errors_are_not():
         OSError('IO Error: The file "x.duckdb" exists, but it is not a valid DuckDB database file!')
     )
     assert not duckdb_file_busy(OSError("IO Error: Permission denied"))
+
+
+def test_a_message_handed_back_while_the_bus_is_away_waits_1_2_4_8_s_up_to_30():
+    assert [bus_away_delay_s(d) for d in range(1, 8)] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert bus_away_span_s(5) == 15.0  # the default five deliveries: an election or a restart
+    assert bus_away_span_s(1) == 0.0  # one delivery: never handed back
