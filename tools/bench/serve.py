@@ -12,6 +12,9 @@ Every side answers the same chat requests (a fixed prompt set, `--max-tokens` to
 
 CPU milliseconds per generated token come from `/proc/<pid>/stat` (utime + stime) of every
 process of a side (the stages, nats-server, the edge, the client), read before and after each run.
+NATS messages per generated token come from the pipeline's nats-server (`/connz` on its
+monitoring port), by connection: what each stage published (events, acks, pull requests) and what
+was delivered to it, so the server's own CPU per token reads as messages times the cost of one.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from schemas import settings
+from stages.runtime import natsd
 from stages.runtime.natsd import die_with_parent
 from tools.bench.loadgen import Sample, SseTarget, run_load
 from tools.bench.measure import percentiles
@@ -245,10 +249,41 @@ class CpuMeter:
         return out
 
 
+class NatsMeter:
+    """Messages through a nats-server between `start()` and `stop()`, by connection name (a stage
+    connects as `brigade-<stage>`), from its monitoring endpoint: `published` counts what the
+    connection sent (events, acks, pull requests), `delivered` what the server sent it."""
+
+    def __init__(self, monitor_url: str) -> None:
+        self.url = monitor_url.rstrip("/") + "/connz?limit=4096"
+
+    def _read(self) -> dict[int, tuple[str, int, int]]:
+        with urllib.request.urlopen(self.url, timeout=10) as resp:
+            conns = json.load(resp).get("connections") or []
+        return {c["cid"]: (c.get("name") or "unnamed", c["in_msgs"], c["out_msgs"]) for c in conns}
+
+    def start(self) -> None:
+        self.before = self._read()
+
+    def stop(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for cid, (name, published, delivered) in self._read().items():
+            _, p0, d0 = self.before.get(cid, (name, 0, 0))
+            row = out.setdefault(name, {"published": 0, "delivered": 0})
+            row["published"] += published - p0
+            row["delivered"] += delivered - d0
+        return out
+
+
 # ---- one side's figures ----
 
 
-def summary(samples: list[Sample], wall_s: float, cpu_s: dict[str, float] | None) -> dict:
+def summary(
+    samples: list[Sample],
+    wall_s: float,
+    cpu_s: dict[str, float] | None,
+    nats_msgs: dict[str, dict[str, int]] | None = None,
+) -> dict:
     ok = [s for s in samples if s.ok]
     tokens = sum(s.num_tokens for s in ok)
     out = {
@@ -268,6 +303,16 @@ def summary(samples: list[Sample], wall_s: float, cpu_s: dict[str, float] | None
             name: 1e3 * seconds / max(tokens, 1) for name, seconds in sorted(cpu_s.items())
         }
         out["cpu_ms_per_token_total"] = sum(out["cpu_ms_per_token"].values())
+    if nats_msgs is not None:
+        per = max(tokens, 1)
+        out["nats_msgs_per_token"] = {
+            name: {k: n / per for k, n in row.items()} for name, row in sorted(nats_msgs.items())
+        }
+        total = sum(r["published"] + r["delivered"] for r in nats_msgs.values())
+        out["nats_msgs_per_token_total"] = total / per
+        server_s = (cpu_s or {}).get("nats-server")
+        if server_s is not None and total:
+            out["nats_server_us_per_msg"] = 1e6 * server_s / total
     return out
 
 
@@ -392,6 +437,11 @@ class Pipeline:
             raise RuntimeError(f"{err}; its output ended:\n{tail}") from None
         return self
 
+    def nats_meter(self) -> NatsMeter | None:
+        """The private nats-server's message counts (None without its monitoring port)."""
+        server = natsd.find_running(self.data_dir)
+        return NatsMeter(server.monitor_url) if server and server.monitor_url else None
+
     def __exit__(self, *exc) -> None:
         stop_process(self.proc)
         self.log.close()
@@ -478,10 +528,13 @@ def run(args: argparse.Namespace) -> int:
                 results[side] = {}
                 for c in at:
                     items = work_items(c * args.requests, args.max_tokens)
-                    cpu = CpuMeter([up.proc.pid], me)
+                    cpu, msgs = CpuMeter([up.proc.pid], me), up.nats_meter()
                     cpu.start()
+                    if msgs is not None:
+                        msgs.start()
                     samples, wall = drive_http(up.url, up.api_key, model, items, c)
-                    results[side][c] = summary(samples, wall, cpu.stop())
+                    counted = msgs.stop() if msgs is not None else None
+                    results[side][c] = summary(samples, wall, cpu.stop(), counted)
                     progress(f"{side}, {c} streams: {results[side][c]['aggregate_tps']:.1f} tok/s")
     if args.url:
         pids = deployment_pids(me)
@@ -709,5 +762,23 @@ def markdown(report: dict) -> str:
                 if ms >= 0.005:
                     lines.append(f"| {proc} | {ms:.2f} |")
             lines.append(f"| **total** | **{r['cpu_ms_per_token_total']:.2f}** |")
+            msgs = r.get("nats_msgs_per_token")
+            if msgs:
+                cost = r.get("nats_server_us_per_msg")
+                lines += [
+                    "",
+                    f"NATS messages per generated token, {name} at {c} streams: "
+                    f"{r['nats_msgs_per_token_total']:.2f} in all"
+                    + (f", {cost:.1f} us of nats-server CPU each" if cost else "")
+                    + ":",
+                    "",
+                    "| connection | published | delivered |",
+                    "|---|---:|---:|",
+                ]
+                for conn, row in sorted(msgs.items(), key=lambda kv: -sum(kv[1].values())):
+                    if row["published"] + row["delivered"] >= 0.005:
+                        lines.append(
+                            f"| {conn} | {row['published']:.2f} | {row['delivered']:.2f} |"
+                        )
     lines += [f"\n{n}" for n in report["notes"]]
     return "\n".join(lines)

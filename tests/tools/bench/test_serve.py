@@ -199,3 +199,36 @@ def test_the_targets_read_a_deployment_where_no_pipeline_side_ran():
     t = serve.targets(results, [8], "deployment")["8"]
     assert t["of_engine"] == pytest.approx(0.9) and t["itl_p95_of_step"] == pytest.approx(1.4)
     assert serve.targets(results, [8]) == {}  # no pipeline side: nothing to compare
+
+
+@pytest.mark.anyio
+async def test_the_nats_meter_counts_each_connections_messages_by_name(nats_server):
+    """30 messages published by one named connection, each delivered to two subscribers of
+    another: 30 published, 60 delivered, and per token in the summary (10 tokens)."""
+    import nats
+
+    meter = serve.NatsMeter(nats_server.monitor_url)
+    pub = await nats.connect(nats_server.url, name="brigade-engine")
+    sub = await nats.connect(nats_server.url, name="brigade-edge")
+    try:
+        subs = [await sub.subscribe("bench.x") for _ in range(2)]
+        await sub.flush()
+        meter.start()
+        for i in range(30):
+            await pub.publish("bench.x", b"%d" % i)
+        await pub.flush()
+        for s in subs:
+            for _ in range(30):
+                await s.next_msg(timeout=5)
+        counted = meter.stop()
+    finally:
+        await pub.close()
+        await sub.close()
+    # the flush's PING is no message; the subscriptions were made before the start
+    assert counted["brigade-engine"] == {"published": 30, "delivered": 0}
+    assert counted["brigade-edge"] == {"published": 0, "delivered": 60}
+    sample = Sample(0, ok=True, num_tokens=10, ttft_ms=1.0, gaps_ms=[1.0] * 9, tps=10.0)
+    res = serve.summary([sample], 1.0, {"nats-server": 0.009}, counted)
+    assert res["nats_msgs_per_token"]["brigade-edge"] == {"published": 0.0, "delivered": 6.0}
+    assert res["nats_msgs_per_token_total"] == 9.0
+    assert res["nats_server_us_per_msg"] == pytest.approx(100.0)  # 9 ms over 90 messages
