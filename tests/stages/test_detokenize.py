@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from engine.tokenizer import load_tokenizer
@@ -191,6 +192,27 @@ def test_no_tokens_at_all_flushes_seq_zero(detok):
     _, out = texts(detok, run_events([], finish_reason="stop"))
     assert [type(o).__name__ for o in out] == ["TextGenerated", "RunCompleted"]
     assert out[0].seq == 0 and out[0].text == "" and out[1].last_seq == 0
+
+
+def test_a_models_tokenizer_is_looked_up_once_and_a_model_not_served_each_time():
+    """The lookup reads the deployment's settings: once a served model, not once a token."""
+    tok = load_tokenizer("smollm2-135m")
+    asked: list[str] = []
+
+    def for_model(model: str):
+        asked.append(model)
+        if model != "smollm2-135m":
+            raise LookupError(model)
+        return tok
+
+    detok = Detokenizer(tok, for_model=for_model)
+    events = [msgspec.structs.replace(e, model="smollm2-135m") for e in run_events(WAVE)]
+    got, _ = texts(detok, events)
+    assert "".join(got) == "Hi 👋🏽 there" and asked == ["smollm2-135m"]
+    for _ in range(2):
+        with pytest.raises(LookupError):
+            detok.handle(msgspec.structs.replace(events[0], model="other"))
+    assert asked == ["smollm2-135m", "other", "other"]
 
 
 def test_visible_cuts_at_the_earliest_stop_and_holds_back_prefixes():
