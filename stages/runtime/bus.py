@@ -338,12 +338,19 @@ class Bus:
             except APIError:  # another worker created it just now (its start time differs)
                 info = await self.js.consumer_info(spec.stream, spec.durable)
         have = info.config
-        if (have.ack_wait, have.max_deliver, have.max_ack_pending, have.backoff or None) != (
+        if (
+            have.ack_wait,
+            have.max_deliver,
+            have.max_ack_pending,
+            have.backoff or None,
+            _filters(have),
+        ) != (
             config.ack_wait,
             config.max_deliver,
             config.max_ack_pending,
             config.backoff,
-        ):
+            _filters(config),
+        ):  # a durable made by an older release is brought up to this one's filters too
             config.deliver_policy = have.deliver_policy
             config.opt_start_time = have.opt_start_time
             await self.js.add_consumer(spec.stream, config)  # the server updates in place
@@ -560,6 +567,13 @@ async def publish_submit(
     """Publish one submit on llm.in (see submit_message) and wait for the queue's ack."""
     payload, headers = submit_message(submit, api_key=api_key, reply_to=reply_to)
     return await js.publish(subjects.SUBMIT, payload, headers=headers)
+
+
+def _filters(config: api.ConsumerConfig) -> frozenset[str]:
+    """A consumer's subject filters, one or several, as a set."""
+    return frozenset(config.filter_subjects or ()) | (
+        {config.filter_subject} if config.filter_subject else set()
+    )
 
 
 def _read_by_next_msg(sub: Subscription) -> bool:

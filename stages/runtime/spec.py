@@ -53,7 +53,9 @@ class StageSpec:
     service: ServiceFactory | None = None
     setup: Callable[[StageContext], Awaitable[Any]] | None = None
     teardown: Callable[[Any], Awaitable[None]] | None = None
-    subject: str | None = None
+    subject: str | tuple[str, ...] | None = (
+        None  # filter(s) over the stream, for an input not one event
+    )
     # A routed input (schemas/subjects.py ROUTED_EVENTS): only the events routed to this token
     # (the engine's model) reach this stage, through a durable of its own.
     route: str | None = None

@@ -1,3 +1,5 @@
+import dataclasses
+
 import anyio
 import pytest
 
@@ -77,10 +79,14 @@ def test_late_events_never_move_a_finished_run():
 
 @pytest.mark.anyio
 async def test_projector_stage_writes_the_kv_record(bus_config):
+    """Its durable takes every event a state comes from, the routed `tokenized` too, and no
+    `text`; one made by an older release over the whole log is narrowed in place."""
     bus = await Bus.connect(bus_config)
     stop, ready = anyio.Event(), anyio.Event()
     try:
         await bus.ensure_streams()
+        old = dataclasses.replace(SPEC.consumer(), filter_subject=subjects.ALL_EVENTS)
+        await bus.ensure_consumer(old)
         runs = RunStates(await bus.kv(subjects.RUNS_BUCKET))
         async with anyio.create_task_group() as tg:
             tg.start_soon(
@@ -91,7 +97,9 @@ async def test_projector_stage_writes_the_kv_record(bus_config):
                 _accepted("p1"),
                 PromptTokenized(request_id="p1", tenant="acme", prompt_token_ids=[1]),
                 TokensGenerated(request_id="p1", tenant="acme", seq=0, token_ids=[9]),
+                TextGenerated(request_id="p1", tenant="acme", seq=0, text="a"),
                 TokensGenerated(request_id="p1", tenant="acme", seq=1, token_ids=[9]),
+                TextGenerated(request_id="p1", tenant="acme", seq=1, text="b"),
                 RunCompleted(
                     request_id="p1", tenant="acme", finish_reason="stop", usage=USAGE, last_seq=1
                 ),
@@ -109,6 +117,10 @@ async def test_projector_stage_writes_the_kv_record(bus_config):
                 1,
                 USAGE,
             )
+            info = await bus.js.consumer_info(subjects.EVENTS_STREAM, SPEC.consumer().durable)
+            assert info.delivered.consumer_seq == 6  # the 8 events but the 2 texts
+            assert "llm.ev.*.text" not in info.config.filter_subjects
+            assert "llm.ev.*.tokenized.>" in info.config.filter_subjects
             stop.set()
     finally:
         await bus.close()
