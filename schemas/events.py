@@ -327,6 +327,14 @@ class TokensGenerated(Event, tag="tokens"):
     compute_tok_s: float | None = None
 
 
+class RunStarted(Event, tag="started"):
+    """The engine sent a request's first token: the run streams from here. Published once a run,
+    just before its first `tokens` event, so what follows runs rather than tokens (the run-state
+    projection's `streaming`) reads one event a run instead of every delta."""
+
+    model: str | None = None  # the served model's id
+
+
 class RunFinished(Event, tag="finished"):
     """The engine stopped generating for this request (eos, stop id, length or abort)."""
 
@@ -449,6 +457,7 @@ AnyEvent = (
     | RequestAuthorized
     | ContextAssembled
     | PromptTokenized
+    | RunStarted
     | TokensGenerated
     | RunFinished
     | TextGenerated

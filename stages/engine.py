@@ -28,8 +28,10 @@ from engine.errors import RequestRejected
 from schemas import models
 from schemas.events import (
     CancelRequested,
+    Event,
     PromptTokenized,
     RunFinished,
+    RunStarted,
     TokenLogprob,
     TokensGenerated,
     Usage,
@@ -69,7 +71,7 @@ class Run:
     first_token_ns: int | None = None
     output_ids: list[int] = field(default_factory=list)
     num_tokens_through: list[int] = field(default_factory=list)  # per seq: output count after it
-    pending: list[tuple[TokensGenerated, Any]] = field(default_factory=list)  # (event, ack future)
+    pending: list[tuple[Event, Any]] = field(default_factory=list)  # (event, ack future)
     unsent: TokensGenerated | None = None  # steps held back while detokenize lags (coalesced)
     cancel: CancelRequested | None = None
     num_cached_tokens: int = 0  # prompt tokens the engine did not compute (prefix cache, fork)
@@ -393,6 +395,9 @@ class EngineStage(InputService):
         acks). Its seq is the next event's: seq counts events, whatever each carries."""
         event, run.unsent = run.unsent, None
         assert event is not None, "nothing held to send"
+        if event.seq == 0:  # the run streams from here: once a run, ahead of its first tokens
+            started = RunStarted(request_id=run.request_id, tenant=event.tenant, model=event.model)
+            run.pending.append((started, await self.bus.publish_async(started)))
         run.num_tokens_through.append(len(run.output_ids))
         run.pending.append((event, await self.bus.publish_async(event)))
         if self.stream.config.flush == "event":

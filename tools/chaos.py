@@ -47,8 +47,9 @@ EARLY_FAULTS = ("kill:gateway", "kill:auth", "kill:context", "kill:tokenize",
                 "nats-node:in-leader")  # fmt: skip
 PROMPTS = ("Count to ten.", "Name three colors.", "What is the capital of France?",
            "Write a haiku about the sea.", "List four fruits.", "Say hello in Spanish.")  # fmt: skip
-EVENT_SUBJECT_TAGS = ("accepted", "authorized", "assembled", "tokenized", "tokens", "finished",
-                      "text", "cancel", "completed", "cancelled", "failed", "billed")  # fmt: skip
+EVENT_SUBJECT_TAGS = ("accepted", "authorized", "assembled", "tokenized", "started", "tokens",
+                      "finished", "text", "cancel", "completed", "cancelled", "failed",
+                      "billed")  # fmt: skip
 API_KEY = "brg-chaos-dev-key-0000000000000000000"
 END_TIMEOUT_S = 240.0
 # The edge's admission may wait this long for a first token: the load measures faults, so the

@@ -105,7 +105,7 @@ USERS = (
     User("context", tuple(events("assembled"))),
     # `tokenized` is routed: llm.ev.<id>.tokenized.<model> (schemas/subjects.py ROUTED_EVENTS)
     User("tokenize", (*events("tokenized"), subjects.routed_events("tokenized"))),
-    User("engine", tuple(events("tokens", "finished"))),
+    User("engine", tuple(events("started", "tokens", "finished"))),
     User("detokenize", tuple(events("text", "completed"))),
     User(
         "ledger",

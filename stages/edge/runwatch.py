@@ -35,6 +35,7 @@ from schemas.events import (
     RunCancelled,
     RunCompleted,
     RunFinished,
+    RunStarted,
     TextGenerated,
     TokensGenerated,
     decode_event,
@@ -144,7 +145,7 @@ class RunWatch:
             return []  # not ours to judge: the log keeps it, the stage that owns it fails it
         if self.on_event is not None:
             self.on_event(event, time.monotonic_ns())
-        if isinstance(event, TokensGenerated | RunFinished | TextGenerated):
+        if isinstance(event, RunStarted | TokensGenerated | RunFinished | TextGenerated):
             self.started = True
         if isinstance(event, TextGenerated):
             return self.buffer.push(event.seq, event)

@@ -30,6 +30,7 @@ def test_every_event_type_has_a_distinct_past_tense_tag():
             "authorized",
             "assembled",
             "tokenized",
+            "started",
             "tokens",
             "finished",
             "text",

@@ -13,6 +13,7 @@ from schemas.events import (
     PromptTokenized,
     RequestFailed,
     RunFinished,
+    RunStarted,
     Sampling,
     TokensGenerated,
     decode_event,
@@ -111,6 +112,11 @@ async def test_tokens_match_the_engine_alone_with_seeds_and_context(bus_config, 
                 await anyio.sleep(0.02)
     tokens = [e for e in got["seeded"] if isinstance(e, TokensGenerated)]
     assert [e.seq for e in tokens] == [0, 1, 2, 3]
+    # one `started` a run, ahead of its first tokens: what projects run states reads no deltas
+    kinds = [type(e).__name__ for e in got["seeded"] if isinstance(e, RunStarted | TokensGenerated)]
+    assert kinds == ["RunStarted"] + ["TokensGenerated"] * 4
+    (started,) = [e for e in got["seeded"] if isinstance(e, RunStarted)]
+    assert (started.model, started.tenant) == (tokens[0].model, tokens[0].tenant)
     assert [t for e in tokens for t in e.token_ids] == expected
     assert [e.context_token_ids for e in tokens] == [expected[:i] for i in range(4)]
     assert all(e.service_ns > 0 and e.kv_usage is not None for e in tokens)
@@ -211,6 +217,7 @@ async def test_a_dead_workers_request_is_resumed_after_its_stored_tokens(
     await client.close()
     tokens = [e for e in stored if isinstance(e, TokensGenerated)]
     assert [e.seq for e in tokens] == [0, 1, 2, 3, 4, 5]
+    assert sum(isinstance(e, RunStarted) for e in stored) == 1  # the first worker's only
     ids = [t for e in tokens for t in e.token_ids]
     assert [e.context_token_ids for e in tokens] == [ids[:i] for i in range(6)]
     (fin,) = [e for e in stored if isinstance(e, RunFinished)]

@@ -22,8 +22,8 @@ from tests.stages.edge_harness import ACME_KEY, MODEL, keyring_for_tests
 from tests.stages.pipeline_harness import running_pipeline
 
 pytestmark = pytest.mark.anyio
-EVENTS = ("accepted", "authorized", "assembled", "tokenized", "tokens", "finished", "text",
-          "cancel", "completed", "cancelled", "failed", "billed")  # fmt: skip
+EVENTS = ("accepted", "authorized", "assembled", "tokenized", "started", "tokens", "finished",
+          "text", "cancel", "completed", "cancelled", "failed", "billed")  # fmt: skip
 DEEP = b"[" * 1000 + b"]" * 1000
 
 

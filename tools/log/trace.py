@@ -16,6 +16,7 @@ PUBLISHER = {
     "authorized": "auth",
     "assembled": "context",
     "tokenized": "tokenize",
+    "started": "engine",
     "tokens": "engine",
     "finished": "engine",
     "text": "detokenize",

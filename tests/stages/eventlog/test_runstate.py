@@ -12,6 +12,7 @@ from schemas.events import (
     RunBilled,
     RunCancelled,
     RunCompleted,
+    RunStarted,
     TextGenerated,
     TokensGenerated,
     Usage,
@@ -96,8 +97,15 @@ async def test_projector_stage_writes_the_kv_record(bus_config):
             for event in [
                 _accepted("p1"),
                 PromptTokenized(request_id="p1", tenant="acme", prompt_token_ids=[1]),
+                RunStarted(request_id="p1", tenant="acme"),
                 TokensGenerated(request_id="p1", tenant="acme", seq=0, token_ids=[9]),
                 TextGenerated(request_id="p1", tenant="acme", seq=0, text="a"),
+            ]:
+                await bus.publish(event)
+            with anyio.fail_after(10):  # `started`: the run streams
+                while (rec := await runs.get("p1")) is None or rec.state != "streaming":
+                    await anyio.sleep(0.02)
+            for event in [
                 TokensGenerated(request_id="p1", tenant="acme", seq=1, token_ids=[9]),
                 TextGenerated(request_id="p1", tenant="acme", seq=1, text="b"),
                 RunCompleted(
@@ -118,8 +126,8 @@ async def test_projector_stage_writes_the_kv_record(bus_config):
                 USAGE,
             )
             info = await bus.js.consumer_info(subjects.EVENTS_STREAM, SPEC.consumer().durable)
-            assert info.delivered.consumer_seq == 6  # the 8 events but the 2 texts
-            assert "llm.ev.*.text" not in info.config.filter_subjects
+            assert info.delivered.consumer_seq == 4  # the 10 events but their 6 deltas
+            assert not {"llm.ev.*.text", "llm.ev.*.tokens"} & set(info.config.filter_subjects)
             assert "llm.ev.*.tokenized.>" in info.config.filter_subjects
             stop.set()
     finally:
