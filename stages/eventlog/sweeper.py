@@ -42,6 +42,8 @@ from stages.runtime.spec import StageContext, StageSpec
 
 log = logging.getLogger("brigade.sweeper")
 STAGE = "sweeper"
+AFTER_MARKER_S = 0.2  # a pass reads the run records on this long past nats-py's end marker
+AFTER_MARKER_MAX_S = 1.0
 _record = msgspec.json.Decoder(RunRecord)
 
 
@@ -239,25 +241,38 @@ class Sweeper(Service):
 
 
 async def _records(runs: KeyValue) -> list[RunRecord]:
-    """Every run record in the bucket now (one ordered watch, values included)."""
+    """Every run record in the bucket now (one ordered watch, values included).
+
+    nats-py marks the end of the bucket's entries (None) when the consumer reports nothing
+    pending and its subscription has counted no delivery yet; under load the entries can be
+    delivered and not yet counted, so the marker came first and a pass saw no runs. The watch
+    is read on past the marker until it is quiet for AFTER_MARKER_S (at most AFTER_MARKER_MAX_S),
+    the last entry of a key winning."""
     watcher = await runs.watchall(ignore_deletes=True)
-    records: list[RunRecord] = []
+    found: dict[str, RunRecord] = {}
+    marker_at: float | None = None
     try:
         while True:
+            timeout = 5.0
+            if marker_at is not None:
+                timeout = min(AFTER_MARKER_S, marker_at + AFTER_MARKER_MAX_S - time.monotonic())
+                if timeout <= 0:
+                    break
             try:
-                entry = await watcher.updates(timeout=5.0)
+                entry = await watcher.updates(timeout=timeout)
             except nats.errors.TimeoutError:
                 break
-            if entry is None:  # the end of what the bucket holds now
-                break
+            if entry is None:  # the end of what the bucket held, or entries still behind it
+                marker_at = marker_at or time.monotonic()
+                continue
             if entry.value:
                 try:
-                    records.append(decode_bounded(_record, entry.value))
+                    found[entry.key] = decode_bounded(_record, entry.value)
                 except msgspec.DecodeError:  # ValidationError too
                     log.warning("run record %s does not decode; skipped", entry.key)
     finally:
         await watcher.stop()
-    return records
+    return list(found.values())
 
 
 def spec(config: SweeperConfig | None = None) -> StageSpec:

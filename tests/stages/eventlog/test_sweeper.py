@@ -7,7 +7,10 @@ from __future__ import annotations
 import time
 
 import anyio
+import msgspec
+import nats.errors
 import pytest
+from nats.js.kv import KeyValue
 
 from schemas import settings, subjects
 from schemas.events import (
@@ -23,8 +26,9 @@ from schemas.events import (
     decode_event,
 )
 from stages import ledger
-from stages.eventlog.runstate import RunStates
-from stages.eventlog.sweeper import Sweeper, SweeperConfig
+from stages.eventlog.runstate import RunRecord, RunStates
+from stages.eventlog.sweeper import AFTER_MARKER_MAX_S, Sweeper, SweeperConfig
+from stages.eventlog.sweeper import _records as sweeper_records
 from stages.runtime.bus import Bus, BusConfig
 from stages.runtime.worker import serve
 from stages.tenancy.ratelimit import Limits, RateLimiter
@@ -181,3 +185,53 @@ async def test_a_run_waits_out_its_own_deadline_and_an_unhonoured_cancel_is_ende
         assert cancel.reason == "timeout"
     finally:
         await bus.close()
+
+
+class _Watch:
+    """A KV watch that answers as nats-py's does under load: its end-of-entries marker (None)
+    ahead of entries already delivered, then whatever else is due, then a timeout."""
+
+    def __init__(self, answers: list, every_s: float = 0.0) -> None:
+        self.answers, self.every_s = list(answers), every_s
+
+    async def updates(self, timeout: float):
+        if not self.answers or self.every_s > timeout:
+            await anyio.sleep(timeout)
+            raise nats.errors.TimeoutError
+        await anyio.sleep(self.every_s)
+        return self.answers.pop(0)
+
+    async def stop(self) -> None:
+        pass
+
+
+class _Bucket:
+    def __init__(self, watch: _Watch) -> None:
+        self.watch = watch
+
+    async def watchall(self, ignore_deletes: bool = False) -> _Watch:
+        return self.watch
+
+
+def _entry(rid: str, state: str) -> KeyValue.Entry:
+    value = msgspec.json.encode(RunRecord(request_id=rid, state=state))
+    return KeyValue.Entry(bucket="b", key=rid, value=value, revision=1, delta=0, created=None,
+                          operation=None)  # fmt: skip
+
+
+async def test_a_pass_reads_the_run_records_behind_an_early_end_marker() -> None:
+    """The marker before both records (the flake that left a pass with no runs): both are
+    read; a key written twice is its last record."""
+    watch = _Watch([None, _entry("a", "prefill"), _entry("b", "queued"), _entry("a", "streaming")])
+    got = await sweeper_records(_Bucket(watch))
+    assert sorted((r.request_id, r.state) for r in got) == [("a", "streaming"), ("b", "queued")]
+
+
+async def test_records_written_on_past_the_marker_end_the_read_within_its_bound() -> None:
+    """A busy bucket (an entry every 0.1 s, past the 0.2 s quiet) still ends the read within
+    AFTER_MARKER_MAX_S of the marker."""
+    watch = _Watch([None] + [_entry(f"r{i}", "queued") for i in range(100)], every_s=0.1)
+    started = time.monotonic()
+    got = await sweeper_records(_Bucket(watch))
+    assert time.monotonic() - started < AFTER_MARKER_MAX_S + 0.5
+    assert 7 <= len(got) <= 10  # 0.1 s apart for 1 s
