@@ -8,7 +8,6 @@ any number of projector workers can share one durable.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Literal
 
 import anyio
@@ -165,34 +164,12 @@ class RunStates:
         raise RuntimeError(f"run {event.request_id}: 16 compare-and-set retries lost")
 
 
-class Projector:
-    """The `runstate` stage's state: the KV store plus a small cache that skips per-token writes."""
-
-    def __init__(self, runs: RunStates, capacity: int = 50_000) -> None:
-        self.runs = runs
-        self.capacity = capacity
-        self._seen: OrderedDict[str, State] = OrderedDict()
-
-    async def handle(self, event: AnyEvent) -> None:
-        tag = type(event).__struct_config__.tag
-        known = self._seen.get(event.request_id)
-        if tag in ("tokens", "text") and known is not None and known != "prefill":
-            return  # the next delta of a streaming (or finished) run: nothing to write
-        record = await self.runs.project(event) or await self.runs.get(event.request_id)
-        if record is not None:
-            state = record.state
-            self._seen[event.request_id] = state
-            self._seen.move_to_end(event.request_id)
-            if len(self._seen) > self.capacity:
-                self._seen.popitem(last=False)
+async def _setup(ctx: StageContext) -> RunStates:
+    return RunStates(await ctx.bus.kv(subjects.RUNS_BUCKET))
 
 
-async def _setup(ctx: StageContext) -> Projector:
-    return Projector(RunStates(await ctx.bus.kv(subjects.RUNS_BUCKET)))
-
-
-async def _handle(event: AnyEvent, projector: Projector) -> list[Event]:
-    await projector.handle(event)
+async def _handle(event: AnyEvent, runs: RunStates) -> list[Event]:
+    await runs.project(event)  # its durable delivers no deltas: every event is one to apply
     return []
 
 
