@@ -209,7 +209,7 @@ class Deployment:
             raise RuntimeError(f"{fault} needs the cluster: run brigade chaos --cluster")
         streams = {"events": subjects.EVENTS_STREAM, "in": subjects.SUBMIT_STREAM}
         which = fault.removeprefix("nats-node:")
-        node = None
+        node, led = None, []
         with anyio.move_on_after(30.0):
             while node is None:  # a leader just killed is being replaced: wait for the election
                 if which == "follower":
@@ -218,12 +218,15 @@ class Deployment:
                     node = c.meta_leader()
                 else:
                     node = c.stream_leader(streams[which.removesuffix("-leader")])
+                if node is not None:
+                    led = [name for name, leader in (("meta", c.meta_leader()),
+                           *((s, c.stream_leader(s)) for s in streams.values())) if leader == node]  # fmt: skip
+                    if which == "follower" and led:  # a late election moved a leader onto it
+                        node = None
                 if node is None:
                     await anyio.sleep(0.1)
         if node is None:
             raise RuntimeError(f"{fault}: no running node leads it after 30 s")
-        led = [name for name, leader in (("meta", c.meta_leader()),
-               *((s, c.stream_leader(s)) for s in streams.values())) if leader == node]  # fmt: skip
         consumers = c.consumer_leaders()
         num_led = sum(leader == node for leader in consumers.values())
         return node, f"{', '.join(led) or 'no stream'}; {num_led} of {len(consumers)} consumers"
