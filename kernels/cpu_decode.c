@@ -17,7 +17,8 @@
  *   9  x += a Wdown^T                                    (tiles)
  * It is the torch path of engine/model.py with the block GEMV (cpu_quant_dot.h) for every linear,
  * computed without the ~300 small tensor ops, casts and allocations that path spends per step:
- * the linears' sums are the GEMV's own, bit for bit; the norms, RoPE, softmax and the attention's
+ * the linears' sums are the GEMV's own, bit for bit, up to OUTER_MIN_ROWS rows (from there at
+ * AVX-512 in the input order, tile_sums_outer below); the norms, RoPE, softmax and the attention's
  * sums are fp32 in another order than torch's, so the result is the torch path's up to summation
  * order (tests/kernels/test_cpu_decode.py holds it to that, and the quality set to fp32's KL).
  *
@@ -422,14 +423,26 @@ static inline int item_open(Items *it, int64_t p, int64_t t) {
     } while (0)
 
 /* Tile t of y = x W^T (ADD: y += x W^T) over T <= DECODE_MAX_ROWS rows, as an item of phase p:
- * the tile's sums for every row (tile_sums_rows, the GEMV's own), then the store if this thread
- * claims it. */
+ * the tile's sums for every row (tile_sums_rows, the GEMV's own; at AVX-512 from OUTER_MIN_ROWS
+ * rows tile_sums_outer, cpu_quant_dot.h, over x as this thread transposed it for the phase), then the store if
+ * this thread claims it. */
 static inline __attribute__((always_inline)) void gemv_item(
     const int Q8, const int ADD, const uint8_t *w, int64_t out_features, int64_t in_features,
     const float *x, int64_t x_stride, int rows, float *y, int64_t y_stride, Items *it,
-    int64_t p, int64_t t, int me) {
+    int64_t p, int64_t t, int me, Outer *o) {
     float tile[ROWS_MAX][TILE];
-    const int n = tile_sums_rows(Q8, w, out_features, in_features, x, x_stride, rows, t, tile);
+    int n;
+#if ISA_LEVEL == 2
+    if (rows >= OUTER_MIN_ROWS && in_features % QK == 0 && outer_reserve(o, in_features)) {
+        if (o->phase != p) {
+            outer_transpose(x, x_stride, rows, in_features, o->buf);
+            o->phase = p;
+        }
+        n = tile_sums_outer(Q8, w, out_features, in_features, o, rows, t, tile);
+    } else
+#endif
+        n = tile_sums_rows(Q8, w, out_features, in_features, x, x_stride, rows, t, tile);
+    (void)o;
     if (!claim_store(it, p, t)) return;
     tile_store(ADD, out_features, tile, rows, n, y, y_stride, t);
     stored(it, p, t, me);
@@ -437,11 +450,12 @@ static inline __attribute__((always_inline)) void gemv_item(
 
 static void gemv_item_kind(int q8, int add, const uint8_t *w, int64_t out_features,
                            int64_t in_features, const float *x, int64_t x_stride, int rows,
-                           float *y, int64_t y_stride, Items *it, int64_t p, int64_t t, int me) {
-    if (q8 && add) gemv_item(1, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me);
-    else if (q8) gemv_item(1, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me);
-    else if (add) gemv_item(0, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me);
-    else gemv_item(0, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me);
+                           float *y, int64_t y_stride, Items *it, int64_t p, int64_t t, int me,
+                           Outer *o) {
+    if (q8 && add) gemv_item(1, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me, o);
+    else if (q8) gemv_item(1, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me, o);
+    else if (add) gemv_item(0, 1, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me, o);
+    else gemv_item(0, 0, w, out_features, in_features, x, x_stride, rows, y, y_stride, it, p, t, me, o);
 }
 
 /* a `count`-float item computed into `local`, stored to `dst` if this thread claims it */
@@ -533,6 +547,8 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
         int64_t *offs = (int64_t *)(scores + (size_t)max_len * G + (max_len * G) % 2);
         float *row = (float *)(offs + max_len);
         float local[MAX_GROUP * MAX_HEAD_DIM]; /* a head's or a GQA group's values */
+        static __thread Outer outer = {NULL, 0, -1}; /* kept across calls: the pool's threads stay */
+        outer.phase = -1;
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -554,7 +570,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     } while (0)
             RUN_PHASE(ph, IN_NORM);
 #define QKV(t) gemv_item_kind(kind[0], 0, w_qkv, qkv_size, hidden, h, hidden, T, qkv, qkv_size, \
-                              &items, ph + 1, (t), me)
+                              &items, ph + 1, (t), me, &outer)
             RUN_PHASE(ph + 1, QKV);
 #define ROPE(item)                                                                \
     do {                                                                          \
@@ -593,7 +609,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     } while (0)
             RUN_PHASE(ph + 3, ATTEND);
 #define O_PROJ(t) gemv_item_kind(kind[1], 1, w_o, hidden, q_size, att, q_size, T, x, hidden, \
-                                 &items, ph + 4, (t), me)
+                                 &items, ph + 4, (t), me, &outer)
             RUN_PHASE(ph + 4, O_PROJ);
 #define POST_NORM(r)                                                              \
     do {                                                                          \
@@ -602,7 +618,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     } while (0)
             RUN_PHASE(ph + 5, POST_NORM);
 #define GATE_UP(t) gemv_item_kind(kind[2], 0, w_gu, 2 * (int64_t)ffn, hidden, h, hidden, T, act, \
-                                  2 * ffn, &items, ph + 6, (t), me)
+                                  2 * ffn, &items, ph + 6, (t), me, &outer)
             RUN_PHASE(ph + 6, GATE_UP);
 #define SILU(r)                                                                   \
     do {                                                                          \
@@ -612,7 +628,7 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
     } while (0)
             RUN_PHASE(ph + 7, SILU);
 #define DOWN(t) gemv_item_kind(kind[3], 1, w_down, hidden, ffn, act, 2 * ffn, T, x, hidden, \
-                               &items, ph + 8, (t), me)
+                               &items, ph + 8, (t), me, &outer)
             RUN_PHASE(ph + 8, DOWN);
         }
         free(scores);

@@ -7,9 +7,13 @@
  * the other rows. Rows go in groups of MAX_ROWS through each tile of output features (its blocks
  * stay in cache across the groups), or at AVX2, from PANEL_MIN_ROWS rows on, in panels
  * (tile_sums_rows), and a row's sums are computed the same way whatever the size of its group.
+ * At AVX-512, from OUTER_MIN_ROWS rows, tile_sums_outer takes the rows as vector lanes: faster,
+ * and a row's sums still do not depend on the others, but they are summed in another order than
+ * the panels': the fused decode forward's (cpu_decode.c), never the GEMV's.
  */
 #ifndef BRIGADE_CPU_QUANT_DOT_H
 #define BRIGADE_CPU_QUANT_DOT_H
+#include <stdlib.h>
 #define MAX_ROWS 8
 /* How far past the next pair's blocks a one-row pair prefetches. A step reads its weights from
  * DRAM, and the next pair alone (a row or two of blocks, ~1 KiB) is less than a core keeps in
@@ -347,6 +351,145 @@ static inline __attribute__((always_inline)) int tile_sums_rows(
     }
     return n;
 }
+
+#if ISA_LEVEL == 2
+/* Many rows at AVX-512, the weights broadcast. The panels above take a dot
+ * product along the inputs per (feature, row): at 32 rows a 576-input projection spent ~15 % of
+ * its time on the horizontal sums that close each one and ~14 % scattering the sums into the
+ * tile, with the FMA loop at ~60 % (perf, docs/benchmarks.md). Here the step's rows are the
+ * vector lanes instead: x is transposed once a phase on each thread (xt [in][32], the rows past
+ * T zero), and OUTER_F features of the tile, rebuilt into an fp32 buffer, go over it with
+ * OUTER_F x 2 accumulators, each holding one feature's sums for 16 rows: per input, 2 loads of xt
+ * and OUTER_F broadcasts of a weight for 2 OUTER_F FMAs, no horizontal sum, and each feature's
+ * 32 sums leave in two vector stores. A sum runs over the inputs in order, one FMA each: not
+ * the panels' order, so a row's sums here differ from the one-row path's in the last bits. Only
+ * the fused decode forward takes it (off in the batch-invariant mode; the GEMV keeps the panels:
+ * its LM head at 32 rows measured the same either way, docs/benchmarks.md). A row's sums do not
+ * depend on how many rows share the step, nor on the threads. */
+/* Its cost is 32 rows' whatever the rows; the panels' grows with them. Engine alone, fresh
+ * processes alternated against the panels: 32 streams 1.05-1.12x, 26 a tie, 20 0.85x, 16 0.75x */
+#define OUTER_MIN_ROWS 28
+#define OUTER_F 8
+#define OUTER_LANES 32
+
+typedef struct { /* a thread's buffers: xt [in][OUTER_LANES], then OUTER_F rebuilt rows */
+    float *buf;
+    int64_t cap, phase; /* floats held; the phase whose x xt holds (-1 none) */
+} Outer;
+
+static int outer_reserve(Outer *o, int64_t in) {
+    const int64_t need = in * (OUTER_LANES + OUTER_F);
+    if (need <= o->cap) return 1;
+    free(o->buf);
+    o->buf = aligned_alloc(64, (size_t)need * sizeof(float));
+    o->cap = o->buf == NULL ? 0 : need;
+    o->phase = -1;
+    return o->buf != NULL;
+}
+
+/* x [rows, in] (x_stride) -> xt [in][32]: lane r of input k is x[r][k], zero past `rows`; in
+ * 16 x 16 blocks through the registers (gathers took ~13 % of the projections' time) */
+static void outer_transpose(const float *x, int64_t x_stride, int rows, int64_t in, float *xt) {
+    for (int rv = 0; rv < OUTER_LANES / 16; ++rv) {
+        const int r0 = 16 * rv;
+        for (int64_t k0 = 0; k0 < in; k0 += 16) {
+            __m512 r[16], t[16], u[16];
+            for (int i = 0; i < 16; ++i)
+                r[i] = r0 + i < rows ? _mm512_loadu_ps(x + (int64_t)(r0 + i) * x_stride + k0)
+                                     : _mm512_setzero_ps();
+            for (int i = 0; i < 16; i += 2) { /* lane L: rows i, i+1 of columns 4L .. 4L+3 */
+                t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+                t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+            }
+            for (int g = 0; g < 4; ++g) { /* u[4g + c], lane L: rows 4g .. 4g+3 of column 4L + c */
+                const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
+                const __m512d c = _mm512_castps_pd(t[4 * g + 1]), d = _mm512_castps_pd(t[4 * g + 3]);
+                u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+                u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+                u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+                u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+            }
+            for (int c = 0; c < 4; ++c) { /* column 4L + c: lane g from u[4g + c]'s lane L */
+                const __m512 a0 = _mm512_shuffle_f32x4(u[c], u[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
+                const __m512 a1 = _mm512_shuffle_f32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+                const __m512 b0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
+                const __m512 b1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
+                float *o = xt + (k0 + c) * OUTER_LANES + r0;
+                _mm512_store_ps(o, _mm512_shuffle_f32x4(a0, b0, _MM_SHUFFLE(2, 0, 2, 0)));
+                _mm512_store_ps(o + 4 * OUTER_LANES, _mm512_shuffle_f32x4(a0, b0, _MM_SHUFFLE(3, 1, 3, 1)));
+                _mm512_store_ps(o + 8 * OUTER_LANES, _mm512_shuffle_f32x4(a1, b1, _MM_SHUFFLE(2, 0, 2, 0)));
+                _mm512_store_ps(o + 12 * OUTER_LANES, _mm512_shuffle_f32x4(a1, b1, _MM_SHUFFLE(3, 1, 3, 1)));
+            }
+        }
+    }
+}
+
+/* wb: the F features' weights block by block, [in / QK][F][QK]: the broadcasts of one input are
+ * F constant offsets from one pointer (a pointer a feature ran out of registers) */
+static inline __attribute__((always_inline)) void outer_dot(const int F, const float *wb,
+                                                            int64_t in, const float *xt,
+                                                            float (*sums)[OUTER_LANES]) {
+    __m512 acc[OUTER_F][2];
+    for (int f = 0; f < F; ++f) acc[f][0] = acc[f][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < in / QK; ++b) {
+        const float *wblk = wb + b * F * QK, *xblk = xt + b * QK * OUTER_LANES;
+        for (int kk = 0; kk < QK; ++kk) {
+            const __m512 x0 = _mm512_load_ps(xblk + kk * OUTER_LANES);
+            const __m512 x1 = _mm512_load_ps(xblk + kk * OUTER_LANES + 16);
+            for (int f = 0; f < F; ++f) {
+                const __m512 wv = _mm512_set1_ps(wblk[f * QK + kk]);
+                acc[f][0] = _mm512_fmadd_ps(wv, x0, acc[f][0]);
+                acc[f][1] = _mm512_fmadd_ps(wv, x1, acc[f][1]);
+            }
+        }
+    }
+    for (int f = 0; f < F; ++f) {
+        _mm512_store_ps(sums[f], acc[f][0]);
+        _mm512_store_ps(sums[f] + 16, acc[f][1]);
+    }
+}
+
+#define OUTER_CASE(F)                                           \
+    case F:                                                     \
+        outer_dot(F, wb, in_features, o->buf, sums);            \
+        break;
+
+/* Tile t's features against the rows in xt -> tile[r][j] for r < rows; its width. */
+static inline __attribute__((always_inline)) int tile_sums_outer(
+    const int Q8, const uint8_t *w, int64_t out_features, int64_t in_features, const Outer *o,
+    int rows, int64_t t, float (*tile)[TILE]) {
+    const int nb = (int)(in_features / QK), block_bytes = Q8 ? Q8_0_BYTES : Q4_1_BYTES;
+    const int64_t row_bytes = (int64_t)nb * block_bytes;
+    const int64_t tile_size = tile_size_of(out_features), o0 = t * tile_size;
+    const int n = out_features - o0 < tile_size ? (int)(out_features - o0) : (int)tile_size;
+    float *wb = o->buf + in_features * OUTER_LANES;
+    float sums[OUTER_F][OUTER_LANES] __attribute__((aligned(64)));
+    for (int j = 0; j < n; j += OUTER_F) {
+        const int nf = n - j < OUTER_F ? n - j : OUTER_F;
+        for (int f = 0; f < nf; ++f) {
+            const uint8_t *wr = w + (o0 + j + f) * row_bytes;
+            for (int b = 0; b < nb; ++b) {
+                __m512 wv[2];
+                __builtin_prefetch(wr + OUTER_F * row_bytes + (int64_t)b * block_bytes);
+                rebuild_block16(Q8, 0, wr + (int64_t)b * block_bytes, wv);
+                float *dst = wb + ((int64_t)b * nf + f) * QK;
+                _mm512_store_ps(dst, wv[0]);
+                _mm512_store_ps(dst + 16, wv[1]);
+            }
+        }
+        switch (nf) {
+            OUTER_CASE(1) OUTER_CASE(2) OUTER_CASE(3) OUTER_CASE(4)
+            OUTER_CASE(5) OUTER_CASE(6) OUTER_CASE(7) OUTER_CASE(8)
+        }
+        for (int f = 0; f < nf; ++f)
+            for (int r = 0; r < rows; ++r) tile[r][j + f] = sums[f][r];
+    }
+    return n;
+}
+#else
+typedef struct { float *buf; int64_t cap, phase; } Outer; /* unused below AVX-512 */
+#endif
+
 
 /* rows of tile t's sums into y (ADD: added to y, the residual add of an output projection) */
 static inline __attribute__((always_inline)) void tile_store(

@@ -304,6 +304,27 @@ def test_items_taken_or_redone_by_any_thread_change_no_bit(model, monkeypatch, r
             assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
+def test_a_row_sums_the_same_whichever_many_rows_share_its_step(model):
+    """From OUTER_MIN_ROWS (28) rows the linears take the rows as vector lanes (AVX-512;
+    below it, and at other levels, the GEMV's panels): each lane's sums are its own row's, so a
+    row comes out bit for bit the same in a step of 32 rows as in one of 28 or 30, and so do the
+    K and V it writes."""
+    rows = CASES["thirty-two rows"]
+    d, kvh = model.config.head_dim, model.config.num_kv_heads
+    full_ids, positions, attn = step(rows)
+    full_caches = random_caches(1, d, kvh)
+    full = model(full_ids, positions, full_caches, attn)
+    for n in (28, 30):
+        _, positions, attn = step(rows[:n])  # one new token a sequence: the first n ids
+        caches = random_caches(1, d, kvh)
+        got = model(full_ids[:n], positions, caches, attn)
+        assert torch.equal(got, full[:n]), f"a row changed between steps of 32 and {n} rows"
+        for (k, v), (k0, v0) in zip(caches, full_caches, strict=True):
+            slots = attn.slot_mapping
+            assert torch.equal(k.view(-1, kvh, d)[slots], k0.view(-1, kvh, d)[slots])
+            assert torch.equal(v.view(-1, kvh, d)[slots], v0.view(-1, kvh, d)[slots])
+
+
 def test_it_refuses_caches_and_inputs_of_another_shape(model):
     d = model.config.head_dim
     ids, positions, attn = step([(3, 1)])
