@@ -14,8 +14,9 @@ from tools.cli import main
 # Client vs log, per request (median): "within a few milliseconds". The difference is the way
 # in (send -> the gateway's receipt) plus one hop out, i.e. two process wake-ups. Measured on the
 # shared 2-core machine: ~2.5 ms at a load average of 6, 8-13 ms at 10-14 (every wake-up then
-# waits for a time slice); the bound leaves room for that.
-AGREE_MS = 15.0
+# waits for a time slice), and once 17.1 ms in a full suite run; the bound leaves room for that,
+# and stays far below the figures compared (TTFT and end-to-end: hundreds of ms).
+AGREE_MS = 25.0
 
 
 def test_workload_is_seeded_and_mixed():
