@@ -17,10 +17,11 @@
  *   9  x += a Wdown^T                                    (tiles)
  * It is the torch path of engine/model.py with the block GEMV (cpu_quant_dot.h) for every linear,
  * computed without the ~300 small tensor ops, casts and allocations that path spends per step:
- * the linears' sums are the GEMV's own, bit for bit, up to OUTER_MIN_ROWS rows (from there at
- * AVX-512 in the input order, tile_sums_outer below); the norms, RoPE, softmax and the attention's
- * sums are fp32 in another order than torch's, so the result is the torch path's up to summation
- * order (tests/kernels/test_cpu_decode.py holds it to that, and the quality set to fp32's KL).
+ * the linears' sums are the GEMV's own, bit for bit, below OUTER_MIN_ROWS rows (from there at
+ * AVX-512 in the input order, cpu_quant_dot.h tile_sums_outer); the norms, RoPE, softmax and
+ * the attention's sums are fp32 in another order than torch's, so the result is the torch path's
+ * up to summation order (tests/kernels/test_cpu_decode.py holds it to that, and the quality set
+ * to fp32's KL).
  *
  * Instruction-set levels as cpu_quant_blocks.h (AVX-512, AVX2 + FMA + F16C, plain C), chosen by
  * the flags kernels/cpu_decode.py compiles it with from the CPU's features at run time.
@@ -424,7 +425,7 @@ static inline int item_open(Items *it, int64_t p, int64_t t) {
 
 /* Tile t of y = x W^T (ADD: y += x W^T) over T <= DECODE_MAX_ROWS rows, as an item of phase p:
  * the tile's sums for every row (tile_sums_rows, the GEMV's own; at AVX-512 from OUTER_MIN_ROWS
- * rows tile_sums_outer, cpu_quant_dot.h, over x as this thread transposed it for the phase), then the store if
+ * rows tile_sums_outer, over x as this thread transposed it for the phase), then the store if
  * this thread claims it. */
 static inline __attribute__((always_inline)) void gemv_item(
     const int Q8, const int ADD, const uint8_t *w, int64_t out_features, int64_t in_features,
@@ -433,7 +434,7 @@ static inline __attribute__((always_inline)) void gemv_item(
     float tile[ROWS_MAX][TILE];
     int n;
 #if ISA_LEVEL == 2
-    if (rows >= OUTER_MIN_ROWS && in_features % QK == 0 && outer_reserve(o, in_features)) {
+    if (rows >= OUTER_MIN_ROWS && outer_reserve(o, in_features)) { /* in: a multiple of QK */
         if (o->phase != p) {
             outer_transpose(x, x_stride, rows, in_features, o->buf);
             o->phase = p;

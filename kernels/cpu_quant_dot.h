@@ -353,8 +353,8 @@ static inline __attribute__((always_inline)) int tile_sums_rows(
 }
 
 #if ISA_LEVEL == 2
-/* Many rows at AVX-512, the weights broadcast. The panels above take a dot
- * product along the inputs per (feature, row): at 32 rows a 576-input projection spent ~15 % of
+/* Many rows at AVX-512, the weights broadcast. The panels above take a dot product along the
+ * inputs per (feature, row): at 32 rows a 576-input projection spent ~15 % of
  * its time on the horizontal sums that close each one and ~14 % scattering the sums into the
  * tile, with the FMA loop at ~60 % (perf, docs/benchmarks.md). Here the step's rows are the
  * vector lanes instead: x is transposed once a phase on each thread (xt [in][32], the rows past
@@ -365,9 +365,9 @@ static inline __attribute__((always_inline)) int tile_sums_rows(
  * the panels' order, so a row's sums here differ from the one-row path's in the last bits. Only
  * the fused decode forward takes it (off in the batch-invariant mode; the GEMV keeps the panels:
  * its LM head at 32 rows measured the same either way, docs/benchmarks.md). A row's sums do not
- * depend on how many rows share the step, nor on the threads. */
-/* Its cost is 32 rows' whatever the rows; the panels' grows with them. Engine alone, fresh
- * processes alternated against the panels: 32 streams 1.05-1.12x, 26 a tie, 20 0.85x, 16 0.75x */
+ * depend on how many rows share the step, nor on the threads.
+ * Its cost is 32 rows' whatever the rows; the panels' grows with them. Engine alone, fresh
+ * processes alternated against the panels: 32 streams 1.05-1.12x, 26 a tie, 20 0.85x, 16 0.75x. */
 #define OUTER_MIN_ROWS 28
 #define OUTER_F 8
 #define OUTER_LANES 32
@@ -425,7 +425,7 @@ static void outer_transpose(const float *x, int64_t x_stride, int rows, int64_t 
 }
 
 /* wb: the F features' weights block by block, [in / QK][F][QK]: the broadcasts of one input are
- * F constant offsets from one pointer (a pointer a feature ran out of registers) */
+ * F constant offsets from one pointer (with a pointer per feature the registers ran out) */
 static inline __attribute__((always_inline)) void outer_dot(const int F, const float *wb,
                                                             int64_t in, const float *xt,
                                                             float (*sums)[OUTER_LANES]) {
@@ -489,7 +489,6 @@ static inline __attribute__((always_inline)) int tile_sums_outer(
 #else
 typedef struct { float *buf; int64_t cap, phase; } Outer; /* unused below AVX-512 */
 #endif
-
 
 /* rows of tile t's sums into y (ADD: added to y, the residual add of an output projection) */
 static inline __attribute__((always_inline)) void tile_store(
