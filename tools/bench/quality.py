@@ -2,9 +2,11 @@
 
 Teacher-forced over a public-domain corpus (tools/bench/quality_data/) against the plain fp32
 reference (quality_reference.py): mean KL(reference || config), top-1 agreement and perplexity,
-on the prefill path (512-token chunks, one sequence at a time) and on the decode path (8 corpus
-segments as 8 streams, one token each per step: the row count at which the "-decode" kinds run
-their GEMVs; with speculation, 2 streams verifying 1 + k tokens each). Then 64 fixed chat prompts
+on the prefill path (512-token chunks, one sequence at a time) and on the decode path, twice:
+the corpus's 32 segments 8 streams at a time, one token each per step (the row count at which
+the "-decode" kinds run their GEMVs; with speculation, 2 streams verifying 1 + k tokens each), and
+all 32 at once (the fused decode forward's most rows, which at AVX-512 take the rows as vector
+lanes; with speculation 8 streams of 1 + k). Then 64 fixed chat prompts
 answered greedily through the engine (at most 8 running at once), compared with the fp32
 engine's answers: answers identical, and the first position where a differing one departs.
 llama.cpp's greedy answers to the same prompts are added with --llama-cpp-dir. Writes
@@ -25,10 +27,12 @@ from pathlib import Path
 DATA = Path(__file__).with_name("quality_data")
 CORPUS = DATA / "persuasion_ch1-3.txt"
 PROMPTS = DATA / "chat_prompts.json"
-TARGET_TOP1 = 0.99  # teacher-forced agreement with fp32, both paths
-TARGET_KL = 0.001  # mean KL(fp32 || config) per token, both paths
+TARGET_TOP1 = 0.99  # teacher-forced agreement with fp32, every path
+TARGET_KL = 0.001  # mean KL(fp32 || config) per token, every path
 PREFILL_CHUNK = 512
 DECODE_STREAMS = 8
+WIDE_STREAMS = 32  # the fused decode forward's most rows (kernels/cpu_decode.py MAX_ROWS)
+PATHS = ("prefill", "decode", "decode_wide")
 SPEC_TOKENS = 3
 
 
@@ -173,9 +177,9 @@ def load_prompts(limit: int | None = None) -> list[str]:
 
 
 def teacher_forced(model, ref, segments, *, spec_tokens: int, kv_dtype=None) -> dict:
-    """Both paths of one model against the reference; with `spec_tokens` the decode path is the
-    verification of accepted drafts (streams x (1 + k) rows within 8); the KV cache in
-    `kv_dtype` (None: the model's)."""
+    """Every path of one model against the reference: prefill, decode at DECODE_STREAMS rows and
+    at WIDE_STREAMS; with `spec_tokens` the decode paths are the verification of accepted drafts
+    (streams x (1 + k) rows within 8 and 32); the KV cache in `kv_dtype` (None: the model's)."""
     from tools.bench.quality_forced import forced_logits, score
 
     prefill = score(
@@ -185,19 +189,19 @@ def teacher_forced(model, ref, segments, *, spec_tokens: int, kv_dtype=None) -> 
             model, segments, num_streams=1, tokens_per_step=PREFILL_CHUNK, kv_dtype=kv_dtype
         ),
     )
-    if spec_tokens:
-        streams, per_step = max(1, DECODE_STREAMS // (1 + spec_tokens)), 1 + spec_tokens
-    else:
-        streams, per_step = DECODE_STREAMS, 1
-    decode = score(
-        ref,
-        segments,
-        forced_logits(
-            model, segments, num_streams=streams, tokens_per_step=per_step, kv_dtype=kv_dtype
-        ),
-    )
-    decode["streams"], decode["tokens_per_step"] = streams, per_step
-    return {"prefill": prefill, "decode": decode}
+    res = {"prefill": prefill}
+    for path, rows in (("decode", DECODE_STREAMS), ("decode_wide", WIDE_STREAMS)):
+        streams, per_step = max(1, rows // (1 + spec_tokens)), 1 + spec_tokens
+        decode = score(
+            ref,
+            segments,
+            forced_logits(
+                model, segments, num_streams=streams, tokens_per_step=per_step, kv_dtype=kv_dtype
+            ),
+        )
+        decode["streams"], decode["tokens_per_step"] = streams, per_step
+        res[path] = decode
+    return res
 
 
 def greedy_answers(engine, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -238,8 +242,7 @@ def meets_targets(tf: dict | None) -> bool | None:
     if tf is None:
         return None
     return all(
-        tf[p]["top1"] >= TARGET_TOP1 and tf[p]["mean_kl"] <= TARGET_KL
-        for p in ("prefill", "decode")
+        tf[p]["top1"] >= TARGET_TOP1 and tf[p]["mean_kl"] <= TARGET_KL for p in PATHS if p in tf
     )
 
 
@@ -291,8 +294,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(args.model)
     corpus = load_corpus(tokenizer, 1024 if args.quick else None)
-    # 8 equal segments: the decode path runs them as 8 streams side by side
-    segment_len = -(-len(corpus) // DECODE_STREAMS)
+    # 32 equal segments: the decode paths run them 8 and 32 streams side by side
+    segment_len = -(-len(corpus) // WIDE_STREAMS)
     segments = split_segments(corpus, segment_len, None)
     prompts = load_prompts(16 if args.quick else None)
     max_tokens = args.max_tokens or (24 if args.quick else 64)
@@ -384,18 +387,20 @@ def markdown(res: dict) -> str:
         f"{res['corpus']['file']} ({res['corpus']['segments']} segments) against the plain fp32 "
         f"reference; {res['prompts']} chat prompts, greedy, {res['max_tokens']} tokens, against "
         f"the fp32 engine. Targets: top-1 >= {100 * tgt['top1']:.0f} % and mean KL <= "
-        f"{tgt['mean_kl']} on both paths. {res['threads']} threads; {res['wall_s']} s",
+        f"{tgt['mean_kl']} on every path. {res['threads']} threads; {res['wall_s']} s",
         "",
         "| configuration | prefill KL | prefill top-1 | prefill ppl | decode KL | decode top-1 | "
-        "decode ppl | chat identical | median first divergence | meets targets |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "decode ppl | 32-stream decode KL | 32-stream decode top-1 | chat identical | "
+        "median first divergence | meets targets |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         tf, chat = r["teacher_forced"], r["chat"]
         if tf is None:
-            cells = ["as without the prefix cache"] + [""] * 5
+            cells = ["as without the prefix cache"] + [""] * 7
         else:
             p, d = tf["prefill"], tf["decode"]
+            w = tf.get("decode_wide")
             cells = [
                 f"{p['mean_kl']:.5f}",
                 _pct(p["top1"]),
@@ -403,6 +408,8 @@ def markdown(res: dict) -> str:
                 f"{d['mean_kl']:.5f}",
                 _pct(d["top1"]),
                 f"{d['ppl']:.3f}",
+                f"{w['mean_kl']:.5f}" if w else "—",
+                _pct(w["top1"]) if w else "—",
             ]
         med = chat["median_first_divergence"]
         met = {True: "yes", False: "no", None: "—"}[r["meets_targets"]]

@@ -76,16 +76,19 @@ def test_first_divergence_and_answer_comparison():
 
 def _tf(kl: float, top1: float) -> dict:
     one = {"mean_kl": kl, "top1": top1, "ppl": 20.0, "ref_ppl": 20.0}
-    return {"prefill": one, "decode": dict(one)}
+    return {"prefill": one, "decode": dict(one), "decode_wide": dict(one)}
 
 
-def test_targets_need_both_paths():
+def test_targets_need_every_path():
     assert meets_targets(_tf(0.0005, 0.995))
     assert not meets_targets(_tf(0.0015, 0.995))
     assert not meets_targets(_tf(0.0005, 0.985))
     bad_decode = _tf(0.0005, 0.995)
     bad_decode["decode"]["top1"] = 0.97
     assert not meets_targets(bad_decode)
+    bad_wide = _tf(0.0005, 0.995)  # 32 rows a step: the fused forward's lanes at AVX-512
+    bad_wide["decode_wide"]["mean_kl"] = 0.002
+    assert not meets_targets(bad_wide)
     assert meets_targets(None) is None
 
 
@@ -125,6 +128,7 @@ def test_table_has_a_row_per_config_and_says_which_meet_the_targets():
     assert "| default (float32 dense) | 0.00000 | 100.00 % | 20.000 |" in table
     assert "| bfloat16 int8 | 0.00690 | 94.30 % |" in table
     assert "| 60/64 | 7 | no |" in table
+    assert "| 20.000 | 0.00690 | 94.30 % | 60/64 |" in table  # the 32-stream decode columns
     assert "llama.cpp: skipped" in table
     answers = {"chat": {**chat, "identical": 50, "median_first_divergence": 4}, "answers": []}
     table = markdown({**res, "llama_cpp": answers})
