@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from engine.params import SamplingParams
+from kernels.cpu_argmax import argmax_rows
 
 
 @dataclass(frozen=True)
@@ -265,7 +266,7 @@ def sample(
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     all_random = len(random_rows) == len(params)
     # [n]; the answer for greedy rows
-    token_ids = None if all_random else logits.argmax(dim=-1)
+    token_ids = None if all_random else argmax_rows(logits)
     if random_rows:
         rows = torch.tensor(random_rows, device=dev)
         sub = [params[i] for i in random_rows]
