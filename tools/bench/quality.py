@@ -8,7 +8,8 @@ the "-decode" kinds run their GEMVs; with speculation, 2 streams verifying 1 + k
 all 32 at once (the fused decode forward's most rows, which at AVX-512 take the rows as vector
 lanes; with speculation 8 streams of 1 + k). Then 64 fixed chat prompts
 answered greedily through the engine (at most 8 running at once), compared with the fp32
-engine's answers: answers identical, and the first position where a differing one departs.
+engine's answers: answers identical, the first position where a differing one departs, and
+there the fp32 reference's own margin between the two tokens (how near a tie the flip was).
 llama.cpp's greedy answers to the same prompts are added with --llama-cpp-dir. Writes
 quality.md and quality.json.
 """
@@ -238,6 +239,38 @@ def compare_answers(reference: list[list[int]], answers: list[list[int]]) -> dic
     }
 
 
+class FlippedMargins:
+    """At a chat's first divergence, the fp32 reference model's own margin between its token and
+    the configuration's (the difference of their logits, in nats): how near a tie the flipped
+    choice was. Two fp32 paths of this engine that sum in other orders move such a margin by
+    ~1e-5 nats, fp16 rounding by ~1e-3; a bf16 slip flips margins of a tenth of a nat and more.
+    Cached by (prompt, position): the rows diverge at the same places."""
+
+    def __init__(self, model, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+        self.model, self.prompt_ids, self.reference = model, prompt_ids, reference
+        self._logits: dict[tuple[int, int], list[float]] = {}
+
+    def of(self, answers: list[list[int]], firsts: list[int | None]) -> list[float | None]:
+        out: list[float | None] = []
+        for i, (f, answer) in enumerate(zip(firsts, answers, strict=True)):
+            ref = self.reference[i]
+            if f is None or f >= min(len(ref), len(answer)):  # identical, or one ends sooner
+                out.append(None)
+                continue
+            if (i, f) not in self._logits:
+                row = self.model.logits(self.prompt_ids[i] + ref[:f])[-1]
+                self._logits[(i, f)] = row.tolist()
+            row = self._logits[(i, f)]
+            out.append(row[ref[f]] - row[answer[f]])
+        return out
+
+
+def with_margins(chat: dict, margins: list[float | None]) -> dict:
+    flipped = [m for m in margins if m is not None]
+    return {**chat, "flipped_margins": margins,
+            "widest_flipped_margin": max(flipped) if flipped else None}  # fmt: skip
+
+
 def meets_targets(tf: dict | None) -> bool | None:
     if tf is None:
         return None
@@ -311,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
     model_config, weights = read_hf_dir(path) if model_format(path) == "hf" else read_gguf(path)
     print(f"fp32 reference over {len(corpus)} corpus tokens ...", flush=True)
     ref = Reference(segments, model_config.vocab_size)
-    ref.fill(ReferenceLlama(model_config, weights), segments)
+    ref_model = ReferenceLlama(model_config, weights)
+    ref.fill(ref_model, segments)
     del weights
     engine_common = {"model": args.model, "max_num_seqs": DECODE_STREAMS}
     fp32_engine = Engine(
@@ -319,6 +353,12 @@ def run(args: argparse.Namespace) -> int:
     )
     reference_answers = greedy_answers(fp32_engine, prompt_ids, max_tokens)
     del fp32_engine
+    margins = FlippedMargins(ref_model, prompt_ids, reference_answers)
+
+    def chat_of(answers: list[list[int]]) -> dict:
+        chat = compare_answers(reference_answers, answers)
+        return with_margins(chat, margins.of(answers, chat["first_divergence"]))
+
     res: dict = {
         "model": args.model,
         "threads": torch.get_num_threads(),
@@ -354,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(EngineConfig(**engine_common, **c.engine_fields))
         answers = greedy_answers(engine, prompt_ids, max_tokens)
         del engine
-        row["chat"] = compare_answers(reference_answers, answers)
+        row["chat"] = chat_of(answers)
         row["meets_targets"] = meets_targets(row["teacher_forced"])
         res["rows"].append(row)
     ref.close()
@@ -368,12 +408,17 @@ def run(args: argparse.Namespace) -> int:
             res["llama_cpp_skipped"] = found
         else:
             res["llama_cpp"] = {
-                "chat": compare_answers(reference_answers, found),
+                "chat": chat_of(found),
                 "answers": [tokenizer.decode(a) for a in found],
             }
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     write_results(args.out, "quality", res, markdown(res))
     return 0
+
+
+def _margin(chat: dict) -> str:
+    m = chat.get("widest_flipped_margin")
+    return "—" if m is None else f"{m:.2g}"
 
 
 def _pct(x: float) -> str:
@@ -391,8 +436,8 @@ def markdown(res: dict) -> str:
         "",
         "| configuration | prefill KL | prefill top-1 | prefill ppl | decode KL | decode top-1 | "
         "decode ppl | 32-stream decode KL | 32-stream decode top-1 | chat identical | "
-        "median first divergence | meets targets |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "median first divergence | widest margin flipped (nats) | meets targets |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         tf, chat = r["teacher_forced"], r["chat"]
@@ -417,7 +462,7 @@ def markdown(res: dict) -> str:
             f"| {r['name']} | "
             + " | ".join(cells)
             + f" | {chat['identical']}/{chat['num_prompts']} | {'—' if med is None else med} | "
-            f"{met} |"
+            f"{_margin(chat)} | {met} |"
         )
     ref_ppl = next(
         (r["teacher_forced"]["prefill"]["ref_ppl"] for r in res["rows"] if r["teacher_forced"]),
@@ -433,7 +478,8 @@ def markdown(res: dict) -> str:
         lines.append(
             f"llama.cpp's greedy answers (llama-server, the same GGUF and prompt tokens) "
             f"identical to the fp32 reference's: {chat['identical']}/{chat['num_prompts']}; "
-            f"median first divergence {'—' if med is None else med}"
+            f"median first divergence {'—' if med is None else med}; widest margin flipped "
+            f"{_margin(chat)} nats"
         )
     lines.append("")
     return "\n".join(lines)

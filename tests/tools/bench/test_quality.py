@@ -12,10 +12,12 @@ from tests.engine.tiny_llama import write_tiny_llama
 from tools.bench.quality import (
     CORPUS,
     PROMPTS,
+    FlippedMargins,
     compare_answers,
     first_divergence,
     markdown,
     meets_targets,
+    with_margins,
 )
 from tools.bench.quality_forced import Reference, forced_logits, score, split_segments
 from tools.bench.quality_reference import ReferenceLlama
@@ -29,8 +31,9 @@ def tiny(tmp_path_factory):
     corpus = torch.randint(3, config.vocab_size, (200,), generator=g).tolist()
     segments = split_segments(corpus, 50, None)
     ref = Reference(segments, config.vocab_size)
-    ref.fill(ReferenceLlama(config, weights), segments)
-    yield path, segments, ref
+    model = ReferenceLlama(config, weights)
+    ref.fill(model, segments)
+    yield path, segments, ref, model
     ref.close()
 
 
@@ -42,7 +45,7 @@ def test_segments_cover_the_corpus_and_drop_unscorable_tails():
 
 @pytest.mark.parametrize("streams,per_step", [(1, 16), (4, 1), (2, 3)])
 def test_fp32_engine_model_matches_the_plain_reference_on_every_path(tiny, streams, per_step):
-    path, segments, ref = tiny
+    path, segments, ref, _ = tiny
     model, _ = load_model(str(path), dtype="float32", quantization=None)
     s = score(
         ref, segments, forced_logits(model, segments, num_streams=streams, tokens_per_step=per_step)
@@ -54,7 +57,7 @@ def test_fp32_engine_model_matches_the_plain_reference_on_every_path(tiny, strea
 
 
 def test_a_perturbed_model_scores_worse(tiny):
-    path, segments, ref = tiny
+    path, segments, ref, _ = tiny
     model, _ = load_model(str(path), dtype="float32", quantization=None)
     with torch.no_grad():
         model.norm.mul_(torch.linspace(0.5, 1.5, model.norm.shape[0]))
@@ -72,6 +75,27 @@ def test_first_divergence_and_answer_comparison():
     assert c["identical"] == 1
     assert c["first_divergence"] == [None, 1, 2]
     assert c["median_first_divergence"] == 1.5
+
+
+def test_a_flip_is_scored_by_the_reference_models_own_margin(tiny):
+    *_, model = tiny
+    prompt = [5, 9, 13, 2]
+    ranked = model.logits(prompt)[-1].argsort(descending=True).tolist()
+    best, second, worst = ranked[0], ranked[1], ranked[-1]
+    reference = [[best, 7], [best], [best, 3]]
+    answers = [[best, 7], [second], [worst, 3]]  # identical, a near flip, the worst token
+    margins = FlippedMargins(model, [prompt] * 3, reference)
+    got = margins.of(answers, compare_answers(reference, answers)["first_divergence"])
+    row = model.logits(prompt)[-1]
+    assert got[0] is None
+    assert got[1] == pytest.approx(float(row[best] - row[second]), abs=1e-6) and got[1] > 0
+    assert got[2] == pytest.approx(float(row[best] - row[worst]), abs=1e-6) and got[2] > got[1]
+    again = margins.of(answers, compare_answers(reference, answers)["first_divergence"])
+    assert again == got and len(margins._logits) == 2  # another row's flips at the same places
+    ended = margins.of([[best]], [1])  # one answer ends sooner: no token to compare
+    assert ended == [None]
+    chat = with_margins(compare_answers(reference, answers), got)
+    assert chat["widest_flipped_margin"] == got[2]
 
 
 def _tf(kl: float, top1: float) -> dict:
@@ -113,7 +137,7 @@ def test_table_has_a_row_per_config_and_says_which_meet_the_targets():
             {
                 "name": "bfloat16 int8",
                 "teacher_forced": _tf(0.0069, 0.943),
-                "chat": chat,
+                "chat": {**chat, "widest_flipped_margin": 0.3125},
                 "meets_targets": False,
             },
             {
@@ -127,12 +151,14 @@ def test_table_has_a_row_per_config_and_says_which_meet_the_targets():
     table = markdown(res)
     assert "| default (float32 dense) | 0.00000 | 100.00 % | 20.000 |" in table
     assert "| bfloat16 int8 | 0.00690 | 94.30 % |" in table
-    assert "| 60/64 | 7 | no |" in table
+    assert "| 60/64 | 7 | 0.31 | no |" in table
+    assert "| 60/64 | 7 | — | yes |" in table  # no flip measured
     assert "| 20.000 | 0.00690 | 94.30 % | 60/64 |" in table  # the 32-stream decode columns
     assert "llama.cpp: skipped" in table
     answers = {"chat": {**chat, "identical": 50, "median_first_divergence": 4}, "answers": []}
     table = markdown({**res, "llama_cpp": answers})
     assert "identical to the fp32 reference's: 50/64; median first divergence 4" in table
+    assert "widest margin flipped — nats" in table
 
 
 def test_llama_cpp_answers_say_why_without_a_llama_server(tmp_path):
