@@ -7,7 +7,8 @@ the corpus's 32 segments 8 streams at a time, one token each per step (the row c
 the "-decode" kinds run their GEMVs; with speculation, 2 streams verifying 1 + k tokens each), and
 all 32 at once (the fused decode forward's most rows, which at AVX-512 take the rows as vector
 lanes; with speculation 8 streams of 1 + k). Then 64 fixed chat prompts
-answered greedily through the engine (at most 8 running at once), compared with the fp32
+answered greedily through the engine, up to 32 running at once (so the steps reach the fused
+forward's vector lanes as a loaded server's do; --quick asks 32 of them), compared with the fp32
 engine's answers: answers identical, the first position where a differing one departs, and
 there the fp32 reference's own margin between the two tokens (how near a tie the flip was).
 llama.cpp's greedy answers to the same prompts are added with --llama-cpp-dir. Writes
@@ -34,6 +35,8 @@ PREFILL_CHUNK = 512
 DECODE_STREAMS = 8
 WIDE_STREAMS = 32  # the fused decode forward's most rows (kernels/cpu_decode.py MAX_ROWS)
 PATHS = ("prefill", "decode", "decode_wide")
+CHAT_STREAMS = WIDE_STREAMS  # chats running at once: a full batch reaches the lanes (>= 28 rows)
+QUICK_PROMPTS = WIDE_STREAMS
 SPEC_TOKENS = 3
 
 
@@ -146,7 +149,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--out", default=".brigade/bench", help="directory for quality.md/.json")
     p.add_argument(
-        "--quick", action="store_true", help="1,024 corpus tokens, 16 prompts of 24 tokens"
+        "--quick",
+        action="store_true",
+        help=f"1,024 corpus tokens, {QUICK_PROMPTS} prompts of 24 tokens",
     )
     p.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per chat answer")
     p.add_argument(
@@ -330,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
     # 32 equal segments: the decode paths run them 8 and 32 streams side by side
     segment_len = -(-len(corpus) // WIDE_STREAMS)
     segments = split_segments(corpus, segment_len, None)
-    prompts = load_prompts(16 if args.quick else None)
+    prompts = load_prompts(QUICK_PROMPTS if args.quick else None)
     max_tokens = args.max_tokens or (24 if args.quick else 64)
     prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     configs = all_configs()
@@ -347,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
     ref_model = ReferenceLlama(model_config, weights)
     ref.fill(ref_model, segments)
     del weights
-    engine_common = {"model": args.model, "max_num_seqs": DECODE_STREAMS}
+    engine_common = {"model": args.model, "max_num_seqs": CHAT_STREAMS}
     fp32_engine = Engine(
         EngineConfig(**engine_common, dtype="float32", quantization=None, quantized_gemv=False)
     )
