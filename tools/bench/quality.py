@@ -25,6 +25,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 DATA = Path(__file__).with_name("quality_data")
 CORPUS = DATA / "persuasion_ch1-3.txt"
@@ -253,7 +257,7 @@ class FlippedMargins:
 
     def __init__(self, model, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
         self.model, self.prompt_ids, self.reference = model, prompt_ids, reference
-        self._logits: dict[tuple[int, int], list[float]] = {}
+        self._logits: dict[tuple[int, int], Tensor] = {}  # [vocab] rows
 
     def of(self, answers: list[list[int]], firsts: list[int | None]) -> list[float | None]:
         out: list[float | None] = []
@@ -262,11 +266,10 @@ class FlippedMargins:
             if f is None or f >= min(len(ref), len(answer)):  # identical, or one ends sooner
                 out.append(None)
                 continue
-            if (i, f) not in self._logits:
-                row = self.model.logits(self.prompt_ids[i] + ref[:f])[-1]
-                self._logits[(i, f)] = row.tolist()
+            if (i, f) not in self._logits:  # the last position's row alone is kept
+                self._logits[(i, f)] = self.model.logits(self.prompt_ids[i] + ref[:f])[-1].clone()
             row = self._logits[(i, f)]
-            out.append(row[ref[f]] - row[answer[f]])
+            out.append(float(row[ref[f]] - row[answer[f]]))
         return out
 
 
