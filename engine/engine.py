@@ -24,7 +24,7 @@ from engine.params import SamplingParams
 from engine.sampler import SamplingRequest, draw_seed
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
-from engine.spec_decode import propose_drafts, sample_and_verify
+from engine.spec_decode import propose_drafts, sample_and_verify, verify_greedy
 from engine.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,6 +60,9 @@ class EngineConfig:
     # those steps of <= 32 tokens run every layer in one C call (kernels/cpu_decode.py): the same
     # GEMV sums, fp32 norms, RoPE and attention without the torch path's small ops
     fused_decode: bool = True
+    # greedy rows of a Q8_0 LM head (fp32 on the CPU, AVX-512 VNNI): an int8 screen, then the
+    # fp32 logits of the tokens it leaves; the same tokens (kernels/cpu_greedy_head.py)
+    screened_head: bool = True
     # reuse the K/V of full blocks a prompt shares with earlier ones (see block_manager.py)
     enable_prefix_caching: bool = False
     # speculative decoding with the n-gram proposer (spec_decode.py): draft tokens per step for
@@ -143,6 +146,22 @@ class StepOutput:
     num_preemptions: int = 0  # times this request was preempted (its K/V computed again)
 
 
+def _plain_greedy(seq: Sequence) -> bool:
+    """The sampler would give this sequence its row's argmax, untouched: greedy, and no
+    logprobs, penalties, logit bias, min_tokens mask or grammar."""
+    p = seq.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        and not p.logit_bias
+        and seq.num_output_tokens >= p.min_tokens
+        and seq.grammar is None
+    )
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -157,6 +176,7 @@ class Engine:
             batch_invariant=config.batch_invariant,
             quantized_gemv=config.quantized_gemv,
             fused_decode=config.fused_decode,
+            screened_head=config.screened_head,
         )
         self.tokenizer = load_tokenizer(config.model)
         limit = self.model_config.max_position_embeddings
@@ -318,15 +338,23 @@ class Engine:
         self._num_step_tokens = batch.num_batched_tokens
         if batch.is_empty:
             return outputs
-        logits, prompt_rows = self.runner.run(batch.scheduled)  # [num_sampled_rows, vocab]
+        chunks = [s for s in batch.scheduled if s.samples]
+        # every row plain greedy: the runner gives each row's argmax [rows], not its logits
+        greedy = self.model.greedy_head is not None and all(_plain_greedy(s.seq) for s in chunks)
+        rows_out, prompt_rows = self.runner.run(batch.scheduled, greedy=greedy)
         for rows in prompt_rows:
             self._add_prompt_logprobs(rows)
         token_ids, logprobs = [], None
-        if logits is not None:
-            chunks = [s for s in batch.scheduled if s.samples]
+        if rows_out is not None and greedy:
+            row_ids, start = rows_out.tolist(), 0
+            for s in chunks:
+                n = 1 + len(s.draft)
+                token_ids.append(verify_greedy(s.draft, row_ids[start : start + n]))
+                start += n
+        elif rows_out is not None:  # [rows, vocab] logits
             masks = self._grammar_masks([s.seq for s in chunks])
             requests = [self._sampling_request(s.seq, masks.get(s.seq)) for s in chunks]
-            token_ids, logprobs = sample_and_verify(logits, [s.draft for s in chunks], requests)
+            token_ids, logprobs = sample_and_verify(rows_out, [s.draft for s in chunks], requests)
         updated = self.scheduler.update(batch, token_ids, logprobs, self.model_config.eos_token_id)
         self._follow_grammars([seq for seq, _ in updated])
         return outputs + [self._emit(seq, n) for seq, n in updated]

@@ -117,6 +117,7 @@ def load_model(
     batch_invariant: bool = False,
     quantized_gemv: bool = True,
     fused_decode: bool = True,
+    screened_head: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a registered name, a .gguf path or an HF directory onto `device` in `dtype`.
 
@@ -130,6 +131,8 @@ def load_model(
     same weights, fewer bytes); without a C compiler, or for safetensors, the dense fp32 path.
     fused_decode: with those blocks, steps of at most 32 tokens run every layer in one C call
     (kernels/cpu_decode.py); off in the batch-invariant mode.
+    screened_head: with a Q8_0 head among those blocks, greedy rows take their tokens through an
+    int8 screen and the fp32 logits of what it leaves (kernels/cpu_greedy_head.py).
     """
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -158,6 +161,7 @@ def load_model(
         batch_invariant=batch_invariant,
         blocks=blocks,
         fused_decode=fused_decode,
+        screened_head=screened_head,
     )
     return llama, config
 

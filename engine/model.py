@@ -15,7 +15,8 @@ from engine.attention import AttentionMetadata, AttentionPlan, paged_attend, pre
 from engine.config import ModelConfig
 from engine.gguf_linear import GGUFBlocks, GGUFLinear, concat_blocks, with_blocks
 from engine.quant import Quantization, make_linear
-from kernels import cpu_decode
+from kernels import cpu_decode, cpu_greedy_head
+from kernels.cpu_argmax import argmax_rows
 from kernels.paged_attention import token_layout
 
 
@@ -104,6 +105,7 @@ class LlamaForCausalLM(nn.Module):
         batch_invariant: bool = False,  # row-count-free linears and attention (engine/loader.py)
         blocks: dict[str, GGUFBlocks] | None = None,  # GGUF blocks by HF name (gguf_linear.py)
         fused_decode: bool = True,  # steps of <= 32 tokens in one C call (kernels/cpu_decode.py)
+        screened_head: bool = True,  # greedy rows' tokens via kernels/cpu_greedy_head.py
     ) -> None:
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, device
@@ -158,6 +160,20 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos.to(dtype).contiguous(), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype).contiguous(), persistent=False)
         self.fused = self._fused_decode() if fused_decode and not batch_invariant else None
+        self.greedy_head = self._screened_head() if screened_head else None
+
+    def _screened_head(self) -> cpu_greedy_head.ScreenedHead | None:
+        """The int8 screen over the LM head's blocks, where it applies and pays: an fp32 head on
+        the CPU's Q8_0 blocks, and the kernel's AVX-512 VNNI build."""
+        head = self.lm_head
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            return None
+        if not isinstance(head, GGUFLinear) or head.kind != "q8_0" or not cpu_greedy_head.fast():
+            return None
+        try:
+            return cpu_greedy_head.ScreenedHead(head.blocks)
+        except ValueError:  # a block's scale that is not finite: its logits are not either
+            return None
 
     def _fused_decode(self) -> cpu_decode.DecodeForward | None:
         """The fused decode forward over every layer's GGUF blocks, where it applies: fp32 on
@@ -221,3 +237,15 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden] rows of forward()'s output -> [n, vocab] float32 logits."""
         h = F.rms_norm(hidden, hidden.shape[-1:], self.norm, self.config.rms_norm_eps)
         return self.lm_head.forward(h).float()
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: Tensor) -> Tensor:
+        """[n] int64: argmax_rows(compute_logits(hidden)), the same tokens; steps of MIN_ROWS
+        to MAX_ROWS rows through the screened head where there is one."""
+        h = F.rms_norm(hidden, hidden.shape[-1:], self.norm, self.config.rms_norm_eps)
+        head, rows = self.greedy_head, h.shape[0]
+        if head is not None and cpu_greedy_head.MIN_ROWS <= rows <= cpu_greedy_head.MAX_ROWS:
+            tokens = head.argmax(h)
+            if tokens is not None:
+                return tokens
+        return argmax_rows(self.lm_head.forward(h).float())

@@ -99,9 +99,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> tuple[Tensor | None, list[PromptRows]]:
-        """Forward the batch; -> logits [num_sampled_rows, vocab] float32 (None if none), and
-        the logits of the prompt positions asked for."""
+    def run(
+        self, scheduled: list[ScheduledSeq], greedy: bool = False
+    ) -> tuple[Tensor | None, list[PromptRows]]:
+        """Forward the batch; -> logits [num_sampled_rows, vocab] float32 (None if none), or
+        with `greedy` each row's argmax [num_sampled_rows] int64 instead (model.greedy_tokens),
+        and the logits of the prompt positions asked for."""
         input_ids, positions, attn, logits_indices, prompt_rows = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, self.kv_cache.kv_caches, attn)
         prompts = [
@@ -110,4 +113,6 @@ class ModelRunner:
         ]  # fmt: skip
         if logits_indices.numel() == 0:
             return None, prompts
+        if greedy:
+            return self.model.greedy_tokens(hidden[logits_indices]), prompts  # [n]
         return self.model.compute_logits(hidden[logits_indices]), prompts  # [n, vocab]

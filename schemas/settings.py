@@ -412,6 +412,12 @@ FUSED_DECODE = declare(Setting[bool](
     "0: layer by layer in torch",
     readers=("engine",),
 ))  # fmt: skip
+SCREENED_HEAD = declare(Setting[bool](
+    name="BRIGADE_SCREENED_HEAD", kind="bool", default=True,
+    help="greedy rows of a Q8_0 LM head: an int8 screen, then fp32 logits for the tokens it "
+    "leaves, the same tokens (kernels/cpu_greedy_head.py; AVX-512 VNNI); 0: the whole fp32 head",
+    readers=("engine",),
+))  # fmt: skip
 CPU_KERNEL = declare(Setting[bool](
     name="BRIGADE_CPU_KERNEL", kind="bool", default=True,
     help="the compiled CPU paged-attention kernel; 0: the pure-torch reference",

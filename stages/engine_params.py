@@ -162,6 +162,7 @@ def engine_config_from_env() -> Any:
         (settings.NUM_SPECULATIVE_TOKENS, "num_speculative_tokens"),
         (settings.QUANTIZED_GEMV, "quantized_gemv"),
         (settings.FUSED_DECODE, "fused_decode"),
+        (settings.SCREENED_HEAD, "screened_head"),
     ):
         if found.source(setting) == "env":  # else EngineConfig's own default (the same)
             kwargs[name] = found[setting]
@@ -172,10 +173,10 @@ def engine_config_from_env() -> Any:
 
 
 def configure_kernels(found: settings.Settings | None = None) -> None:
-    """The CPU attention kernel's switch, compiler and cache, and the quantized GEMV's, GEMM's
-    and fused decode forward's compiler and cache (their switches are EngineConfig's
-    quantized_gemv and fused_decode), from settings."""
-    from kernels import cpu_attention, cpu_decode, cpu_quant_gemm, cpu_quant_gemv
+    """The CPU attention kernel's switch, compiler and cache, and the quantized GEMV's, GEMM's,
+    fused decode forward's and screened head's compiler and cache (their switches are
+    EngineConfig's quantized_gemv, fused_decode and screened_head), from settings."""
+    from kernels import cpu_attention, cpu_decode, cpu_greedy_head, cpu_quant_gemm, cpu_quant_gemv
 
     found = found or settings.load()
     cpu_attention.configure(
@@ -197,6 +198,11 @@ def configure_kernels(found: settings.Settings | None = None) -> None:
     )
     cpu_decode.configure(
         cpu_decode.DecodeOptions(
+            compiler=found[settings.CC], cache_root=found[settings.XDG_CACHE_HOME]
+        )
+    )
+    cpu_greedy_head.configure(
+        cpu_greedy_head.HeadOptions(
             compiler=found[settings.CC], cache_root=found[settings.XDG_CACHE_HOME]
         )
     )

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from kernels import cpu_greedy_head
 from tests.engine.tiny_llama import write_tiny_llama
 
 PROMPT_LENS = [3, 17, 40, 9, 25, 60, 5, 33]  # eight requests of different lengths
@@ -178,6 +179,40 @@ def test_smollm2_greedy_same_alone_and_batched_with_chunks_and_preemption():
     assert engine.stats().num_preemptions > 0  # 80 KV slots for 43 prompt + 32 new tokens
     assert batched == alone(engine, toks, params)
     assert tok.decode(batched[0]).strip().startswith("Paris")
+
+
+def test_smollm2_greedy_through_the_screened_head_gives_the_whole_heads_tokens(monkeypatch):
+    """Plain greedy steps take each row's token from the screened head (where the CPU has AVX-512
+    VNNI), steps with a row that needs its logits the whole head: the same tokens either way, with
+    n-gram drafts verified against the rows' argmaxes, and a request asking for logprobs."""
+    on = Engine(EngineConfig(dtype="float32", num_speculative_tokens=3))
+    off = Engine(EngineConfig(dtype="float32", num_speculative_tokens=3, screened_head=False))
+    assert off.model.greedy_head is None
+    assert (on.model.greedy_head is not None) == cpu_greedy_head.fast()
+    screened = []
+    if on.model.greedy_head is not None:
+        head = on.model.greedy_head
+        real = head.argmax
+        monkeypatch.setattr(head, "argmax", lambda h: screened.append(h.shape[0]) or real(h))
+    toks = [on.tokenizer.encode(t) for t in TEXTS + ["1, 2, 3, 1, 2, 3, 1, 2,"] * 2]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert run_all(on, toks, params)[0] == run_all(off, toks, params)[0]
+    if cpu_greedy_head.fast():
+        assert max(screened) >= 10  # 10 rows a step at least, drafts' rows among them
+    with_logprobs = dataclasses.replace(params, logprobs=2)
+    got = []
+    for engine in (on, off):
+        engine.add_request("lp", toks[0], with_logprobs)  # beside three plain greedy ones
+        for i, t in enumerate(toks[1:4]):
+            engine.add_request(f"g{i}", t, params)
+        out: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.request_id == "lp" and o.new_token_ids:
+                    out.setdefault("lp logprobs", []).extend(o.new_logprobs)
+        got.append(out)
+    assert got[0] == got[1] and len(got[0]["lp"]) == len(got[0]["lp logprobs"]) == 16
 
 
 @pytest.mark.parametrize(
@@ -358,10 +393,10 @@ def test_parallel_samples_share_the_prompts_blocks_and_prefill_them_once(tiny_di
     computed: dict[str, int] = {}
     run = engine.runner.run
 
-    def counting(scheduled):
+    def counting(scheduled, **kw):
         for s in scheduled:
             computed[s.seq.request_id] = computed.get(s.seq.request_id, 0) + s.num_real_tokens
-        return run(scheduled)
+        return run(scheduled, **kw)
 
     engine.runner.run = counting
     engine.add_request("p", toks, sampled[0])

@@ -96,6 +96,10 @@ def test_engine_config_from_the_environment(monkeypatch):
     monkeypatch.setenv("BRIGADE_FUSED_DECODE", "0")
     assert engine_config_from_env().fused_decode is False
     monkeypatch.delenv("BRIGADE_FUSED_DECODE")
+    assert engine_config_from_env().screened_head is True
+    monkeypatch.setenv("BRIGADE_SCREENED_HEAD", "0")
+    assert engine_config_from_env().screened_head is False
+    monkeypatch.delenv("BRIGADE_SCREENED_HEAD")
     assert engine_config_from_env().kv_cache_dtype == "auto"
     monkeypatch.setenv("BRIGADE_KV_CACHE_DTYPE", "float16")
     assert engine_config_from_env().kv_cache_dtype == "float16"

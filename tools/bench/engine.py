@@ -69,10 +69,10 @@ class Timed:
         self._decode_only = False
         run = self._run = engine.runner.run
 
-        def timed_run(scheduled):
+        def timed_run(scheduled, **kw):
             self._decode_only = all(s.num_new_tokens == 1 for s in scheduled)
             t = time.process_time()
-            out = run(scheduled)
+            out = run(scheduled, **kw)
             self.runner_cpu += time.process_time() - t
             return out
 

@@ -1,0 +1,247 @@
+/* The greedy rows' tokens through a Q8_0 LM head, screened in int8 (cpu_greedy_head.py).
+ *
+ * A greedy row needs only the argmax of its fp32 logits x W^T. The head's weights are int8
+ * already (Q8_0: w = d * q, q in [-127, 127], d fp16 per block of 32), so with each block of 32
+ * of x rounded to int8 too (its own step dx = max |x| / 127), `vpdpbusd` sums 64 products an
+ * instruction where fp32 FMAs sum 16. Each logit's approximation errs by at most
+ *   e[v] = sum over blocks b of  (dx_b / 2) * d_vb * sum_i |q_vbi|      (A[v, b] = d_vb sum|q|)
+ * and the fp32 GEMV's own rounding adds less than 1 % of it (< 576 u * sum |x w| <= 576 u *
+ * 254 e). With the bound widened by BOUND_MARGIN, no token whose upper bound (approximation + e)
+ * is below the row's highest lower bound can hold the argmax; screen_rows lists the others,
+ * whose exact fp32 logits the caller recomputes with the same GEMV to decide.
+ *
+ * Layouts (fp32 unless named):
+ *   blocks  [V, nb * 34] uint8     GGUF Q8_0: fp16 d, then 32 int8 codes, a block
+ *   wpack   [VG, nb, 8, 16, 4] u8  q + 128 of vocab rows 16 g .. 16 g + 15, four codes a lane
+ *   dpack   [VG, nb, 16]           d of each lane's block;  apack [VG, nb, 16]: A
+ *   x       [rows, nb * 32]        the final norm's output
+ *   hi      [rows, VG * 16]        scratch: each token's upper bound
+ *   cand    [rows, max_cand] int32 each row's candidate tokens, ascending; count in ncand
+ * VG = ceil(V / 16); lanes past V are zero weights and are never listed.
+ *
+ * Levels: AVX-512 VNNI (with F, BW, VL) or plain C, from the flags cpu_greedy_head.py compiles
+ * it with (the CPU's features at run time); kernel_isa() says which. */
+#define _POSIX_C_SOURCE 200809L
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define ISA_LEVEL 2
+#include <immintrin.h>
+#else
+#define ISA_LEVEL 0
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+int kernel_isa(void) { return ISA_LEVEL; }
+
+#define QK 32
+#define LANES 16
+#define ROWS_A_PASS 4   /* rows through a vocab group at once: 4 sums and 4 bounds in registers */
+#define BOUND_MARGIN 1.0625f /* the fp32 roundings of both sides are < 1 % of the bound */
+
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu)
+        bits = sign | 0x7f800000u | (man << 13);
+    else if (exp != 0)
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    else if (man == 0)
+        bits = sign;
+    else { /* subnormal: normalize */
+        int e = -1;
+        uint32_t m = man;
+        do {
+            ++e;
+            m <<= 1;
+        } while (!(m & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* blocks -> the screen's layout; 0, or -1 when a block's scale is not finite */
+int screen_pack_q8_0(const uint8_t *blocks, int64_t V, int64_t nb, uint8_t *wpack, float *dpack,
+                     float *apack) {
+    const int64_t VG = (V + LANES - 1) / LANES;
+    memset(wpack, 128, (size_t)(VG * nb * QK * LANES)); /* zero weights in the pad lanes */
+    memset(dpack, 0, sizeof(float) * (size_t)(VG * nb * LANES));
+    memset(apack, 0, sizeof(float) * (size_t)(VG * nb * LANES));
+    for (int64_t v = 0; v < V; ++v) {
+        const int64_t g = v / LANES, lane = v % LANES;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = blocks + (v * nb + b) * 34;
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            if ((h & 0x7c00u) == 0x7c00u) return -1; /* inf or NaN, on the bits (-ffast-math) */
+            const float d = half_to_float(h);
+            const int8_t *q = (const int8_t *)(blk + 2);
+            float s = 0.0f;
+            for (int i = 0; i < QK; ++i) {
+                s += (float)abs(q[i]);
+                wpack[(((g * nb + b) * 8 + i / 4) * LANES + lane) * 4 + i % 4] =
+                    (uint8_t)(q[i] + 128);
+            }
+            dpack[(g * nb + b) * LANES + lane] = d;
+            apack[(g * nb + b) * LANES + lane] = fabsf(d) * s;
+        }
+    }
+    return 0;
+}
+
+/* A row's blocks to int8: xq, its step dx, hx the most a value moved (half the step; the block's
+ * max |x| where that is too small to divide by, and the block is left out) and 128 * sum(xq)
+ * (what q + 128 adds back); 0, or -1 for a value that is not finite */
+static int quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx, float *hx,
+                        int32_t *sx128) {
+    for (int64_t b = 0; b < nb; ++b) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; ++i) {
+            uint32_t u;
+            memcpy(&u, xb + i, 4);
+            if ((u & 0x7f800000u) == 0x7f800000u) return -1; /* inf or NaN, on the bits */
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        const int tiny = amax < 1e-30f; /* 127 / amax would overflow */
+        const float d = tiny ? 0.0f : amax / 127.0f, inv = tiny ? 0.0f : 127.0f / amax;
+        int32_t s = 0;
+        for (int i = 0; i < QK; ++i) {
+            float r = nearbyintf(xb[i] * inv);
+            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+            xq[b * QK + i] = (int8_t)r;
+            s += (int32_t)r;
+        }
+        dx[b] = d;
+        hx[b] = tiny ? amax : 0.5f * d;
+        sx128[b] = 128 * s;
+    }
+    return 0;
+}
+
+/* the sums and bounds of ROWS_A_PASS rows (r0.., the last pass's beyond nr zeros) over vocab
+ * group g: hi = approx + bound, and the rows' greatest lower bound so far in lo_max */
+static void screen_group(int64_t g, int64_t r0, int nr, int64_t V, int64_t nb,
+                         const uint8_t *wpack, const float *dpack, const float *apack,
+                         const int8_t *xq, const float *dx, const float *hx,
+                         const int32_t *sx128, float *hi, int64_t ldh, float *lo_max) {
+    const int valid = V - g * LANES < LANES ? (int)(V - g * LANES) : LANES; /* not the pad */
+#if ISA_LEVEL == 2
+    __m512 o[ROWS_A_PASS], e[ROWS_A_PASS];
+    for (int r = 0; r < ROWS_A_PASS; ++r) o[r] = e[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *wb = wpack + (g * nb + b) * QK * LANES;
+        __m512i w[8];
+        for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(wb + 64 * k);
+        const __m512 d = _mm512_loadu_ps(dpack + (g * nb + b) * LANES);
+        const __m512 a = _mm512_loadu_ps(apack + (g * nb + b) * LANES);
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS_A_PASS; ++r) {
+            const int64_t rb = (r0 + r) * nb + b;
+            const float *x4 = (const float *)(xq + rb * QK); /* four codes as one 32-bit lane */
+            __m512i acc = _mm512_set1_epi32(-sx128[rb]);
+            for (int k = 0; k < 8; ++k)
+                acc = _mm512_dpbusd_epi32(acc, w[k], _mm512_castps_si512(_mm512_set1_ps(x4[k])));
+            o[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d, _mm512_set1_ps(dx[rb])),
+                                   o[r]);
+            e[r] = _mm512_fmadd_ps(a, _mm512_set1_ps(hx[rb]), e[r]);
+        }
+    }
+    const __m512 margin = _mm512_set1_ps(BOUND_MARGIN);
+    for (int r = 0; r < nr; ++r) {
+        const __m512 bound = _mm512_mul_ps(e[r], margin);
+        _mm512_storeu_ps(hi + (r0 + r) * ldh + g * LANES, _mm512_add_ps(o[r], bound));
+        const float m = _mm512_mask_reduce_max_ps((__mmask16)((1u << valid) - 1u),
+                                                  _mm512_sub_ps(o[r], bound));
+        lo_max[r0 + r] = m > lo_max[r0 + r] ? m : lo_max[r0 + r];
+    }
+#else
+    for (int r = 0; r < nr; ++r)
+        for (int lane = 0; lane < LANES; ++lane) {
+            float o = 0.0f, e = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                const int64_t rb = (r0 + r) * nb + b;
+                const uint8_t *wb = wpack + (g * nb + b) * QK * LANES;
+                int32_t acc = -sx128[rb];
+                for (int i = 0; i < QK; ++i)
+                    acc += (int32_t)wb[((i / 4) * LANES + lane) * 4 + i % 4] * xq[rb * QK + i];
+                o += (float)acc * (dpack[(g * nb + b) * LANES + lane] * dx[rb]);
+                e += apack[(g * nb + b) * LANES + lane] * hx[rb];
+            }
+            const float bound = e * BOUND_MARGIN;
+            hi[(r0 + r) * ldh + g * LANES + lane] = o + bound;
+            if (lane < valid && o - bound > lo_max[r0 + r]) lo_max[r0 + r] = o - bound;
+        }
+#endif
+}
+
+/* Each row's tokens that may hold its argmax, ascending, into cand / ncand. Returns 0; -1 when
+ * x holds a value that is not finite, -2 when a row has more than max_cand (ncand still counts
+ * them), -3 without memory. The caller then computes the whole head. */
+int screen_rows(const float *x, int64_t rows, int64_t V, int64_t nb, const uint8_t *wpack,
+                const float *dpack, const float *apack, float *hi, int32_t *cand, int32_t *ncand,
+                int32_t max_cand, int32_t num_threads) {
+    const int64_t VG = (V + LANES - 1) / LANES, ldh = VG * LANES;
+    const int64_t padded = (rows + ROWS_A_PASS - 1) / ROWS_A_PASS * ROWS_A_PASS; /* zero rows */
+    int8_t *xq = calloc((size_t)(padded * nb * QK), 1);
+    float *dx = calloc((size_t)(padded * nb), sizeof(float));
+    float *hx = calloc((size_t)(padded * nb), sizeof(float));
+    int32_t *sx128 = calloc((size_t)(padded * nb), sizeof(int32_t));
+    int nt = num_threads > 0 ? num_threads : 1;
+    float *lo_max = malloc(sizeof(float) * (size_t)(rows * nt));
+    int status = 0;
+    if (!xq || !dx || !hx || !sx128 || !lo_max) status = -3;
+    for (int64_t r = 0; r < rows && status == 0; ++r)
+        if (quantize_row(x + r * nb * QK, nb, xq + r * nb * QK, dx + r * nb, hx + r * nb,
+                         sx128 + r * nb))
+            status = -1;
+    if (status == 0) {
+        for (int64_t i = 0; i < rows * nt; ++i) lo_max[i] = -FLT_MAX;
+#pragma omp parallel num_threads(nt)
+        {
+#ifdef _OPENMP
+            const int me = omp_get_thread_num();
+#else
+            const int me = 0;
+#endif
+            float *mine = lo_max + (int64_t)me * rows;
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < VG; ++g)
+                for (int64_t r0 = 0; r0 < rows; r0 += ROWS_A_PASS) {
+                    const int nr = rows - r0 < ROWS_A_PASS ? (int)(rows - r0) : ROWS_A_PASS;
+                    screen_group(g, r0, nr, V, nb, wpack, dpack, apack, xq, dx, hx, sx128, hi, ldh,
+                                 mine);
+                }
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; ++r) {
+                float m = -FLT_MAX;
+                for (int k = 0; k < nt; ++k) m = lo_max[k * rows + r] > m ? lo_max[k * rows + r] : m;
+                const float *h = hi + r * ldh;
+                int32_t n = 0, *c = cand + r * max_cand;
+                for (int64_t v = 0; v < V; ++v)
+                    if (h[v] >= m) {
+                        if (n < max_cand) c[n] = (int32_t)v;
+                        ++n;
+                    }
+                ncand[r] = n;
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r)
+            if (ncand[r] > max_cand) status = -2;
+    }
+    free(xq);
+    free(dx);
+    free(hx);
+    free(sx128);
+    free(lo_max);
+    return status;
+}
