@@ -21,7 +21,7 @@ from engine.kv_cache import DEFAULT_KV_CACHE_BYTES, KVCache, num_blocks_for_budg
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, PromptRows
 from engine.params import SamplingParams
-from engine.sampler import SamplingRequest, draw_seed
+from engine.sampler import SamplingRequest, draw_seed, takes_the_argmax
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
 from engine.spec_decode import propose_drafts, sample_and_verify, verify_greedy
@@ -144,22 +144,6 @@ class StepOutput:
     prompt_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0  # prompt tokens not computed: from the prefix cache or a fork
     num_preemptions: int = 0  # times this request was preempted (its K/V computed again)
-
-
-def _plain_greedy(seq: Sequence) -> bool:
-    """The sampler would give this sequence its row's argmax, untouched: greedy, and no
-    logprobs, penalties, logit bias, min_tokens mask or grammar."""
-    p = seq.params
-    return (
-        p.greedy
-        and p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
-        and not p.logit_bias
-        and seq.num_output_tokens >= p.min_tokens
-        and seq.grammar is None
-    )
 
 
 class Engine:
@@ -340,7 +324,10 @@ class Engine:
             return outputs
         chunks = [s for s in batch.scheduled if s.samples]
         # every row plain greedy: the runner gives each row's argmax [rows], not its logits
-        greedy = self.model.greedy_head is not None and all(_plain_greedy(s.seq) for s in chunks)
+        greedy = self.model.greedy_head is not None and all(
+            takes_the_argmax(s.seq.params, s.seq.num_output_tokens, s.seq.grammar is not None)
+            for s in chunks
+        )
         rows_out, prompt_rows = self.runner.run(batch.scheduled, greedy=greedy)
         for rows in prompt_rows:
             self._add_prompt_logprobs(rows)

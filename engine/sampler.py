@@ -232,6 +232,22 @@ def top_logprobs(
     return result
 
 
+def takes_the_argmax(params: SamplingParams, num_output_tokens: int, constrained: bool) -> bool:
+    """`sample` gives this row its logits' argmax, untouched, and no logprobs: greedy, with no
+    penalties, logit bias, min_tokens mask or grammar mask (the engine then needs only the
+    argmax: engine/model.py greedy_tokens)."""
+    return (
+        params.greedy
+        and params.logprobs is None
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and not params.logit_bias
+        and num_output_tokens >= params.min_tokens
+        and not constrained
+    )
+
+
 def sample(
     logits: Tensor, requests: list[SamplingRequest]
 ) -> tuple[list[int], list[list[tuple[int, float]] | None] | None]:

@@ -19,54 +19,26 @@
  *   cand    [rows, max_cand] int32 each row's candidate tokens, ascending; count in ncand
  * VG = ceil(V / 16); lanes past V are zero weights and are never listed.
  *
- * Levels: AVX-512 VNNI (with F, BW, VL) or plain C, from the flags cpu_greedy_head.py compiles
- * it with (the CPU's features at run time); kernel_isa() says which. */
+ * Levels: AVX-512 VNNI (with the GEMV's AVX-512 level: F, BW, VL, FMA, F16C) or plain C, from the
+ * flags cpu_greedy_head.py compiles it with (the CPU's features at run time); kernel_isa() says
+ * which (2 or 0). */
 #define _POSIX_C_SOURCE 200809L
 #include <float.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define ISA_LEVEL 2
-#include <immintrin.h>
-#else
-#define ISA_LEVEL 0
-#endif
+#include "cpu_quant_blocks.h" /* ISA_LEVEL, kernel_isa(), QK, Q8_0_BYTES, half_to_float */
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if ISA_LEVEL == 2 && defined(__AVX512VNNI__)
+#define SCREEN_VNNI 1
+#else
+#define SCREEN_VNNI 0
+#endif
 
-int kernel_isa(void) { return ISA_LEVEL; }
-
-#define QK 32
 #define LANES 16
 #define ROWS_A_PASS 4   /* rows through a vocab group at once: 4 sums and 4 bounds in registers */
 #define BOUND_MARGIN 1.0625f /* the fp32 roundings of both sides are < 1 % of the bound */
-
-static float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0x1fu)
-        bits = sign | 0x7f800000u | (man << 13);
-    else if (exp != 0)
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    else if (man == 0)
-        bits = sign;
-    else { /* subnormal: normalize */
-        int e = -1;
-        uint32_t m = man;
-        do {
-            ++e;
-            m <<= 1;
-        } while (!(m & 0x400u));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 /* blocks -> the screen's layout; 0, or -1 when a block's scale is not finite */
 int screen_pack_q8_0(const uint8_t *blocks, int64_t V, int64_t nb, uint8_t *wpack, float *dpack,
@@ -78,11 +50,11 @@ int screen_pack_q8_0(const uint8_t *blocks, int64_t V, int64_t nb, uint8_t *wpac
     for (int64_t v = 0; v < V; ++v) {
         const int64_t g = v / LANES, lane = v % LANES;
         for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = blocks + (v * nb + b) * 34;
+            const uint8_t *blk = blocks + (v * nb + b) * Q8_0_BYTES;
             uint16_t h;
             memcpy(&h, blk, 2);
             if ((h & 0x7c00u) == 0x7c00u) return -1; /* inf or NaN, on the bits (-ffast-math) */
-            const float d = half_to_float(h);
+            const float d = half_to_float(blk);
             const int8_t *q = (const int8_t *)(blk + 2);
             float s = 0.0f;
             for (int i = 0; i < QK; ++i) {
@@ -135,7 +107,7 @@ static void screen_group(int64_t g, int64_t r0, int nr, int64_t V, int64_t nb,
                          const int8_t *xq, const float *dx, const float *hx,
                          const int32_t *sx128, float *hi, int64_t ldh, float *lo_max) {
     const int valid = V - g * LANES < LANES ? (int)(V - g * LANES) : LANES; /* not the pad */
-#if ISA_LEVEL == 2
+#if SCREEN_VNNI
     __m512 o[ROWS_A_PASS], e[ROWS_A_PASS];
     for (int r = 0; r < ROWS_A_PASS; ++r) o[r] = e[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {

@@ -26,23 +26,25 @@ from kernels.cpu_argmax import argmax_rows
 
 SOURCE = Path(__file__).with_name("cpu_greedy_head.c")
 ISA_LEVELS = ("avx512vnni", "none")
+# the GEMV's AVX-512 level (cpu_quant_blocks.h's ISA_LEVEL 2) and VNNI, or plain C
 LEVELS = IsaLevels(
     compiler_flags={
-        "avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
-        "none": ("-march=x86-64",),
+        "avx512vnni": (*cpu_quant_gemv.LEVELS.compiler_flags["avx512"], "-mavx512vnni"),
+        "none": cpu_quant_gemv.LEVELS.compiler_flags["none"],
     },
     needs={
-        "avx512vnni": frozenset(("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+        "avx512vnni": cpu_quant_gemv.ISA_NEEDS["avx512"] | {"avx512_vnni"},
         "none": frozenset(),
     },
     codes={"avx512vnni": 2, "none": 0},
 )
-LANES, BLOCK, BLOCK_BYTES = 16, 32, 34
+LANES, BLOCK = 16, cpu_quant_gemv.BLOCK_SIZE
+BLOCK_BYTES = cpu_quant_gemv.BLOCK_BYTES["q8_0"]
 MAX_ROWS = 32  # rows a call screens (the engine's decode steps: cpu_decode.MAX_ROWS)
 MAX_CANDIDATES = 1024  # a row's tokens left to recompute; more and the whole head runs
-# From this many rows the screen is worth its cost; one row's head waits on its 28 MB of
-# weights either way (docs/benchmarks.md).
-MIN_ROWS = 4
+# From this many rows the screen is worth its cost: one row's head waits on its 28 MB of weights
+# either way, and at 4 rows repeated runs gave 0.81-1.36x (docs/benchmarks.md).
+MIN_ROWS = 8
 
 _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 
@@ -103,9 +105,9 @@ class ScreenedHead:
         self.cand = torch.empty(MAX_ROWS, MAX_CANDIDATES, dtype=torch.int32)
         self.ncand = torch.empty(MAX_ROWS, dtype=torch.int32)
 
-    def candidates(self, h: Tensor) -> list[Tensor] | None:
-        """Each row's tokens that may hold its argmax, ascending; None where the screen cannot
-        tell (a value of h not finite, too many tokens in a row)."""
+    def _screen(self, h: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Every row's candidates, ascending, flat [n] int64, and the row of each [n]; None
+        where the screen cannot tell (a value of h not finite, too many tokens in a row)."""
         rows = h.shape[0]
         if h.dtype != torch.float32 or h.dim() != 2 or h.shape[1] != self.hidden:
             raise ValueError(
@@ -113,30 +115,37 @@ class ScreenedHead:
             )
         if not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"{rows} rows; the screen takes 1 to {MAX_ROWS}")
-        h = h.contiguous()
-        nb = self.hidden // BLOCK
         status = self.lib.screen_rows(
-            h.data_ptr(), rows, self.vocab, nb, self.wpack.data_ptr(), self.dpack.data_ptr(),
-            self.apack.data_ptr(), self.hi.data_ptr(), self.cand.data_ptr(),
-            self.ncand.data_ptr(), MAX_CANDIDATES, torch.get_num_threads(),
+            h.data_ptr(), rows, self.vocab, self.hidden // BLOCK, self.wpack.data_ptr(),
+            self.dpack.data_ptr(), self.apack.data_ptr(), self.hi.data_ptr(),
+            self.cand.data_ptr(), self.ncand.data_ptr(), MAX_CANDIDATES, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             return None
-        counts = self.ncand[:rows].tolist()
-        if min(counts) == 0:  # only where sums overflowed: the bounds say nothing
+        counts = self.ncand[:rows].to(torch.int64)
+        if int(counts.min()) == 0:  # only where sums overflowed: the bounds say nothing
             return None
-        return [self.cand[r, :n].to(torch.int64) for r, n in enumerate(counts)]
+        listed = torch.arange(MAX_CANDIDATES) < counts[:, None]  # [rows, MAX_CANDIDATES]
+        flat = self.cand[:rows][listed].to(torch.int64)  # row-major: each row's, ascending
+        return flat, torch.repeat_interleave(torch.arange(rows), counts)
+
+    def candidates(self, h: Tensor) -> list[Tensor] | None:
+        """Each row's tokens that may hold its argmax, ascending (None: see _screen)."""
+        found = self._screen(h.contiguous())
+        if found is None:
+            return None
+        flat, row = found
+        return list(flat.split(torch.bincount(row, minlength=h.shape[0]).tolist()))
 
     def argmax(self, h: Tensor) -> Tensor | None:
         """[rows] int64: argmax_rows of h's fp32 logits through the head; None: compute them."""
-        found = self.candidates(h)
+        h = h.contiguous()
+        found = self._screen(h)
         if found is None:
             return None
-        union = torch.unique(torch.cat(found))  # sorted: the first of ties is the lowest token
-        exact = cpu_quant_gemv.quant_gemv(
-            h.contiguous(), self.blocks.index_select(0, union), "q8_0"
-        )
-        mask = torch.zeros_like(exact, dtype=torch.bool)
-        for r, c in enumerate(found):
-            mask[r, torch.searchsorted(union, c)] = True
-        return union[argmax_rows(exact.masked_fill_(~mask, float("-inf")))]
+        flat, row = found
+        union = torch.unique(flat)  # sorted: the first of ties is the lowest token
+        exact = cpu_quant_gemv.quant_gemv(h, self.blocks.index_select(0, union), "q8_0")
+        listed = torch.zeros_like(exact, dtype=torch.bool)
+        listed[row, torch.searchsorted(union, flat)] = True
+        return union[argmax_rows(exact.masked_fill_(~listed, float("-inf")))]

@@ -12,6 +12,7 @@ from engine.sampler import (
     apply_top_k,
     apply_top_p,
     sample,
+    takes_the_argmax,
 )
 
 NEG = float("-inf")
@@ -191,3 +192,24 @@ def test_logit_bias_forces_and_bans_tokens_per_row():
         for s in range(300)
     ]  # fmt: skip
     assert top not in never  # ... with -100 never
+
+
+def test_takes_the_argmax_exactly_when_sample_gives_the_untouched_argmax():
+    """The rows the engine may answer with the head's argmax alone (the screened head): plain
+    greedy ones; any parameter that changes the logits, or asks for logprobs, says no."""
+    plain = {"temperature": 0.0, "max_tokens": 8}
+    assert takes_the_argmax(SamplingParams(**plain), 0, False)
+    logits = torch.tensor([[0.5, 3.0, 1.0, 3.0]])
+    assert sample(logits, [req(**plain)]) == ([1], None)  # the first of ties, untouched
+    for changed in (
+        {"temperature": 0.7},
+        {"logprobs": 1},
+        {"repetition_penalty": 1.2},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 0.5},
+        {"logit_bias": {2: 5.0}},
+    ):
+        assert not takes_the_argmax(SamplingParams(**{**plain, **changed}), 0, False), changed
+    short = SamplingParams(**plain, min_tokens=2)
+    assert not takes_the_argmax(short, 1, False) and takes_the_argmax(short, 2, False)
+    assert not takes_the_argmax(SamplingParams(**plain), 0, True)  # a grammar's mask
