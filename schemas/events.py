@@ -330,9 +330,16 @@ class TokensGenerated(Event, tag="tokens"):
 class RunStarted(Event, tag="started"):
     """The engine sent a request's first token: the run streams from here. Published once a run,
     just before its first `tokens` event, so what follows runs rather than tokens (the run-state
-    projection's `streaming`) reads one event a run instead of every delta."""
+    projection's `streaming`, the edge's admission and gauges) reads one event a run instead of
+    every delta."""
 
     model: str | None = None  # the served model's id
+    # the engine's gauges after the step that sent the first token, as on `tokens`: an edge
+    # reads them here and on `finished`, not on each step's `tokens`
+    num_waiting: int | None = None
+    num_running: int | None = None
+    kv_usage: float | None = None
+    compute_tok_s: float | None = None
 
 
 class RunFinished(Event, tag="finished"):

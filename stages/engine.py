@@ -396,7 +396,15 @@ class EngineStage(InputService):
         event, run.unsent = run.unsent, None
         assert event is not None, "nothing held to send"
         if event.seq == 0:  # the run streams from here: once a run, ahead of its first tokens
-            started = RunStarted(request_id=run.request_id, tenant=event.tenant, model=event.model)
+            started = RunStarted(
+                request_id=run.request_id,
+                tenant=event.tenant,
+                model=event.model,
+                num_waiting=event.num_waiting,
+                num_running=event.num_running,
+                kv_usage=event.kv_usage,
+                compute_tok_s=event.compute_tok_s,
+            )
             run.pending.append((started, await self.bus.publish_async(started)))
         run.num_tokens_through.append(len(run.output_ids))
         run.pending.append((event, await self.bus.publish_async(event)))

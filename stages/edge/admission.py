@@ -34,6 +34,7 @@ from schemas.events import (
     RunCancelled,
     RunCompleted,
     RunFinished,
+    RunStarted,
     TextGenerated,
     TokensGenerated,
 )
@@ -202,7 +203,7 @@ class AdmissionGate:
     def observe(self, event: AnyEvent) -> None:
         """Engine gauges and compute rate, prefill rates of finished runs, and the end of a
         run's wait."""
-        if isinstance(event, TokensGenerated | RunFinished):
+        if isinstance(event, RunStarted | TokensGenerated | RunFinished):
             if event.kv_usage is not None:
                 self.kv_usage = event.kv_usage
             if event.num_waiting is not None:
@@ -211,7 +212,9 @@ class AdmissionGate:
                 self.engine_tok_s = event.compute_tok_s
         if isinstance(event, RunFinished):
             self._learn_prefill(event)
-        if isinstance(event, TokensGenerated | TextGenerated) and event.request_id in self.waiting:
+        # a run's first token: its `started` (a live watch takes `tokens` only for logprobs)
+        first = RunStarted | TokensGenerated | TextGenerated
+        if isinstance(event, first) and event.request_id in self.waiting:
             now = self._tick()
             self.starts.append((now, self.busy_s))
             self._forget(now)
@@ -221,9 +224,9 @@ class AdmissionGate:
             if not self._group:
                 self._group_at = now
             self._group.append((waited.order, waited.prompt_tokens, beyond))
-        if isinstance(
-            event, TokensGenerated | TextGenerated | RunFinished | RunCompleted | RunCancelled
-        ) or isinstance(event, RequestFailed):
+        if isinstance(event, first | RunFinished | RunCompleted | RunCancelled) or isinstance(
+            event, RequestFailed
+        ):
             self.release(event.request_id)
 
     def _learn_overhead(self, now: float) -> None:

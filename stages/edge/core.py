@@ -315,6 +315,7 @@ class Edge:
             keepalive_s=self.config.keepalive_s,
             gap_timeout_s=gap_timeout_for(self.bus.config.ack_wait_s, self.bus.config.max_deliver),
             on_event=observe,
+            with_tokens=tokens is not None,  # logprobs: each text delta's tokens event
         )
 
     def _observe(self, event: AnyEvent, _received_ns: int) -> None:

@@ -26,6 +26,7 @@ from schemas.events import (
     RunCancelled,
     RunCompleted,
     RunFinished,
+    RunStarted,
     TokensGenerated,
 )
 
@@ -34,7 +35,7 @@ STAGE_OF_EVENT = {
     "authorized": "auth",
     "assembled": "context",
     "tokenized": "tokenize",
-    "tokens": "engine",
+    "finished": "engine",  # its time on the run (a live watch takes `tokens` only for logprobs)
     "text": "detokenize",
     "completed": "detokenize",
     "billed": "ledger",
@@ -46,7 +47,9 @@ _PER_TOKEN = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0
               10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _LONG = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
          120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-_STAGE = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
+# to 1 s for the light stages' events, on to 300 s for the engine's whole runs
+_STAGE = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 2.5,
+          5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # fmt: skip
 _LABEL = "model_name"
 
 
@@ -135,7 +138,7 @@ class EdgeMetrics:
         stage = STAGE_OF_EVENT.get(type(event).__struct_config__.tag)  # type: ignore[arg-type]
         if stage is not None and event.service_ns > 0:
             self._stage.labels(model, stage).observe(event.service_ns / 1e9)
-        if isinstance(event, TokensGenerated | RunFinished):
+        if isinstance(event, RunStarted | TokensGenerated | RunFinished):
             if event.num_running is not None:
                 m.running.set(event.num_running)
             if event.num_waiting is not None:

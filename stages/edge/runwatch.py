@@ -1,11 +1,14 @@
 """Follow one run's events and yield its text deltas in `seq` order, then its terminal event.
 
-Live: a plain subscription on `llm.ev.<id>.>` made before the submit. Resume: an ordered
-consumer over the log from the start (then live), skipping seqs <= `starting_after` (-1: all). Gaps (a
-slow-consumer drop, a worker racing the terminal event) are filled from the log; every ordered
-consumer is unsubscribed when done, so nothing is left behind per request. While the bus is away
-(an election, a server restart) it keeps waiting, within its idle timeout, and asks again.
-Until an engine takes the run (its first `tokens`), the wait is bounded by the run's deadline
+Live: plain subscriptions made before the submit, one for each kind of event the edge reads
+(LIVE_EVENTS: the run's lifecycle, its text and its end), not `llm.ev.<id>.>`: a run's `tokens`,
+one a step, are the detokenizer's to read, and the edge takes them only for a run that asks for
+logprobs (`with_tokens`). Resume: an ordered consumer over the log from the start (then
+live), skipping seqs <= `starting_after` (-1: all). Gaps (a slow-consumer drop, a worker racing
+the terminal event) are filled from the log; every ordered consumer is unsubscribed when done,
+so nothing is left behind per request. While the bus is away (an election, a server restart)
+it keeps waiting, within its idle timeout, and asks again.
+Until an engine takes the run (its `started`), the wait is bounded by the run's deadline
 instead (`DeadlinePassed`), and `events()` says every `keepalive_s` of silence that it waits.
 After the terminal event, missing deltas are waited for `gap_timeout_s`: the edge sets it past
 the bus's redelivery time (`gap_timeout_for`). A detokenizer killed holding a `tokens` event
@@ -17,6 +20,7 @@ run from the `finished` that came next.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -46,6 +50,11 @@ from stages.runtime.failures import bus_away_span_s, bus_unavailable
 
 Terminal = RunCompleted | RunCancelled | RequestFailed
 TERMINAL_TAGS = ("completed", "cancelled", "failed")
+# What a live watch subscribes to: the stages' lifecycle events (the edge's per-stage metrics;
+# `tokenized` carries the model's token after its tag), the engine's start and finish (its
+# gauges, admission), the text, and the run's end.
+LIVE_EVENTS = ("accepted", "authorized", "assembled", "tokenized.*", "started", "finished", "text",
+               *TERMINAL_TAGS)  # fmt: skip
 
 
 class DeltasMissing(TimeoutError):
@@ -53,7 +62,7 @@ class DeltasMissing(TimeoutError):
 
 
 class DeadlinePassed(TimeoutError):
-    """No engine took the run (no `tokens` event) within its deadline."""
+    """No engine took the run (no `started` event) within its deadline."""
 
 
 @dataclass(frozen=True)
@@ -90,22 +99,26 @@ class RunWatch:
         gap_timeout_s: float = 2.0,
         poll_s: float = 5.0,
         on_event: Callable[[AnyEvent, int], None] | None = None,
+        with_tokens: bool = False,
     ) -> None:
         self.nc, self.js, self.request_id = nc, js, request_id
         start = 0 if starting_after is None else starting_after + 1
         self.buffer = ReorderBuffer[TextGenerated](start=start)
         self.idle_timeout_s = idle_timeout_s  # once an engine has the run (or without deadline)
-        self.deadline_s = deadline_s  # until an engine takes it (its first `tokens`)
+        self.deadline_s = deadline_s  # until an engine takes it (its `started`)
         self.keepalive_s = keepalive_s  # events() yields Waiting after this much silence
-        self.started = False  # an engine took the run: a `tokens` (or later) event came
+        self.started = False  # an engine took the run: its `started` (or a later event) came
         self.gap_timeout_s = gap_timeout_s
         self.poll_s = poll_s  # live and silent this long: look for the end in the log
         self.on_event = on_event
+        self.with_tokens = with_tokens  # live, also every `tokens` event (for on_event)
         self.terminal: Terminal | None = None
         self.idempotency_key: str | None = None  # set by the edge for a keyed run
         self.num_gap_fills = 0
         self._replay = starting_after is not None
-        self._sub = None
+        self._sub = None  # the replay's ordered consumer
+        self._live: list = []  # the live subscriptions, all feeding _inbox
+        self._inbox_in = self._inbox = None
         self._follow = None  # answers "is anyone following this run?" (stages/edge/follow.py)
         self._started_at = time.monotonic()
 
@@ -119,17 +132,47 @@ class RunWatch:
                 subject, stream=subjects.EVENTS_STREAM, ordered_consumer=True
             )
         else:
-            self._sub = await self.nc.subscribe(subject)
+            # unbounded: each subscription's pending limits bound what reaches it
+            self._inbox_in, self._inbox = anyio.create_memory_object_stream[bytes](math.inf)
+            tags = (*LIVE_EVENTS, "tokens") if self.with_tokens else LIVE_EVENTS
+            for tag in tags:
+                self._live.append(
+                    await self.nc.subscribe(
+                        subjects.event_subject(self.request_id, tag), cb=self._on_live
+                    )
+                )
         self._follow = await answer_run_follows(self.nc, self.request_id)  # someone follows it
+
+    async def _on_live(self, msg) -> None:
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._inbox_in.send_nowait(msg.data)  # closed: the watch is over
 
     async def close(self) -> None:
         if self._follow is not None:
             follow, self._follow = self._follow, None
             with contextlib.suppress(nats.errors.Error):  # a closed connection ended it already
                 await follow.unsubscribe()
+        live, self._live = self._live, []
+        for sub in live:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        if self._inbox is not None:
+            self._inbox_in.close()
+            self._inbox.close()
         if self._sub is not None:
             sub, self._sub = self._sub, None
-            await (_drop_consumer(self.js, sub) if self._replay else sub.unsubscribe())
+            await _drop_consumer(self.js, sub)
+
+    async def _next(self, timeout: float) -> bytes | None:
+        """The next event's bytes, None after `timeout` seconds without one."""
+        if self._sub is not None:
+            try:
+                return (await self._sub.next_msg(timeout=timeout)).data
+            except nats.errors.TimeoutError:
+                return None
+        with anyio.move_on_after(timeout):
+            return await self._inbox.receive()
+        return None
 
     async def __aenter__(self) -> RunWatch:
         await self.start()
@@ -176,7 +219,7 @@ class RunWatch:
         """Text deltas in order, and a `Waiting` after each `keepalive_s` with nothing sent;
         raises DeadlinePassed when no engine took the run within its deadline, TimeoutError
         when an engine's run shows no event for the idle timeout."""
-        assert self._sub is not None, "call start() before deltas()"
+        assert self._sub is not None or self._live, "call start() before deltas()"
         gap_deadline: float | None = None
         next_fill = 0.0
         heard = quiet = time.monotonic()  # quiet: since the last delta or keep-alive
@@ -211,9 +254,8 @@ class RunWatch:
                 quiet = now
                 yield Waiting(now - self._started_at, self.deadline_s, self.started)
             timeout = self._timeout(now, heard, quiet, next_poll)
-            try:
-                msg = await self._sub.next_msg(timeout=timeout)
-            except nats.errors.TimeoutError:
+            data = await self._next(timeout)
+            if data is None:
                 now = time.monotonic()
                 if self.terminal is None and not self._replay and now >= next_poll:
                     next_poll = now + self.poll_s
@@ -228,7 +270,7 @@ class RunWatch:
                     ) from None
                 continue
             heard = time.monotonic()
-            for delta in self._accept(msg.data):
+            for delta in self._accept(data):
                 quiet = heard
                 yield delta
 

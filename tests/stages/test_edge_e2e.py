@@ -466,7 +466,7 @@ async def test_no_key_in_the_log_and_metrics_filled(pipeline):
     assert samples['brigade:request_success_total{finished_reason="length"}'] >= 4
     assert samples['brigade:request_success_total{finished_reason="abort"}'] >= 1
     assert samples['brigade:stage_duration_seconds_count{stage="gateway"}'] >= 6
-    assert samples['brigade:stage_duration_seconds_count{stage="engine"}'] >= 20
+    assert samples['brigade:stage_duration_seconds_count{stage="engine"}'] >= 5  # a run each
     assert samples['brigade:request_failure_total{code="rate_limited"}'] == 1
     assert 0.0 <= samples["brigade:kv_cache_usage_perc"] <= 1.0
     assert samples["brigade:time_per_output_token_seconds_count"] >= 4

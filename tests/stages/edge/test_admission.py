@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.events import RequestFailed, RunFinished, TokensGenerated, Usage
+from schemas.events import RequestFailed, RunFinished, RunStarted, TokensGenerated, Usage
 from stages.edge.admission import AdmissionConfig, AdmissionGate
 from stages.edge.errors import RequestError
 
@@ -28,8 +28,10 @@ def finished(rid: str, prompt_tokens: int, prefill_s: float, cached: int = 0) ->
     )
 
 
-def first_token(rid: str) -> TokensGenerated:
-    return TokensGenerated(request_id=rid, seq=0, token_ids=[1])
+def first_token(rid: str) -> RunStarted:
+    """What a live watch sees of a run's first token: the engine's `started` (its `tokens` only
+    with logprobs)."""
+    return RunStarted(request_id=rid)
 
 
 def test_a_lone_request_is_admitted_however_long_its_prefill():
@@ -61,7 +63,7 @@ def test_the_engines_compute_rate_replaces_the_runs_own_prefill_times():
     assert gate.estimate(40).queue_s == pytest.approx(0.96)
     with pytest.raises(RequestError, match=r"6 requests wait for a first token \(~0\.96 s"):
         gate.admit("new", 40)
-    gate.observe(TokensGenerated(request_id="other", seq=5, token_ids=[1], compute_tok_s=800.0))
+    gate.observe(RunStarted(request_id="other", compute_tok_s=800.0))
     assert gate.prefill_rate == 800.0 and gate.prefill_tok_s == pytest.approx(250.0)
     found = gate.estimate(40)
     assert (found.queue_s, found.prefill_s) == (pytest.approx(0.3), pytest.approx(0.05))
@@ -180,9 +182,7 @@ def test_kv_watermark_with_a_queue_refuses():
         TokensGenerated(request_id="x", seq=3, token_ids=[1], kv_usage=0.95, num_waiting=0)
     )
     gate.admit("a", 1)  # nothing queued: the engine takes it when blocks free up
-    gate.observe(
-        TokensGenerated(request_id="x", seq=4, token_ids=[1], kv_usage=0.95, num_waiting=2)
-    )
+    gate.observe(RunStarted(request_id="y", kv_usage=0.95, num_waiting=2))
     with pytest.raises(RequestError, match="KV cache at 95% .* with 2 requests queued"):
         gate.admit("b", 1)
 

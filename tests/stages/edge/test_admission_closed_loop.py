@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from schemas.events import RunFinished, TokensGenerated, Usage
+from schemas.events import RunFinished, RunStarted, Usage
 from stages.edge.admission import AdmissionConfig, AdmissionGate
 from stages.edge.errors import RequestError
 from stages.engine_rate import ComputeRate
@@ -124,11 +124,7 @@ class Loop:
                     continue
                 run.first_s = self.clock.now
                 self.first_token_waits.append(run.first_s - run.admitted_s)
-                self.gate.observe(
-                    TokensGenerated(
-                        request_id=run.rid, seq=0, token_ids=[1], compute_tok_s=reported
-                    )
-                )
+                self.gate.observe(RunStarted(request_id=run.rid, compute_tok_s=reported))
             run.num_out += 1
             if run.num_out == self.max_tokens:
                 self.finish(run, reported)

@@ -64,12 +64,11 @@ def test_a_model_is_named_by_its_id_or_an_alias_of_a_served_one(tmp_path):
 def test_each_model_is_admitted_on_its_own_engines_load():
     """One model's engines full (KV past the watermark, requests queued) refuse that model's
     requests only: the other model's engines have room."""
-    from schemas.events import TokensGenerated
+    from schemas.events import RunStarted
     from stages.edge.core import Edge
 
     edge = Edge(bus=None, config=EdgeConfig(model="smollm2-135m,tiny=/models/tiny"), keys=None)
-    full = TokensGenerated(request_id="r", seq=0, token_ids=[1], kv_usage=0.99, num_waiting=3,
-                           model="tiny")  # fmt: skip
+    full = RunStarted(request_id="r", kv_usage=0.99, num_waiting=3, model="tiny")
     edge._observe(full, 0)
     with pytest.raises(RequestError) as info:
         edge.gate_of("tiny").admit("a", 10)

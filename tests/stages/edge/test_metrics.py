@@ -1,7 +1,7 @@
 """The edge's metrics from the events it sees: vLLM's names with `brigade:`, every series
 labelled with the model; preemptions and prefix-cache queries / hits from each run's end."""
 
-from schemas.events import RunCompleted, RunFinished, Usage
+from schemas.events import RunCompleted, RunFinished, RunStarted, TokensGenerated, Usage
 from stages.edge.metrics import EdgeMetrics
 from stages.engine import StepTokens
 from stages.runtime.heartbeat import Beat
@@ -73,3 +73,34 @@ def test_every_series_is_labelled_with_its_runs_model():
     assert got['brigade:generation_tokens_total{model_name="tiny"}'] == 2
     assert got['brigade:generation_tokens_total{model_name="m"}'] == 0
     assert all('model_name="' in name for name in got)
+
+
+def test_engine_gauges_come_from_started_and_finished_and_its_stage_time_per_run():
+    """A live watch takes no `tokens` without logprobs: the gauges come from each run's start
+    and end, and the engine's stage time is its time on each run (from `finished`)."""
+    metrics = EdgeMetrics("m")
+    metrics.observe_event(RunStarted(request_id="r", num_running=5, num_waiting=2, kv_usage=0.5))
+    got = _samples(metrics)
+    assert got['brigade:num_requests_running{model_name="m"}'] == 5
+    assert got['brigade:num_requests_waiting{model_name="m"}'] == 2
+    assert got['brigade:kv_cache_usage_perc{model_name="m"}'] == 0.5
+    metrics.observe_event(
+        RunFinished(
+            request_id="r",
+            finish_reason="length",
+            service_ns=4_000_000_000,
+            num_running=4,
+            num_waiting=0,
+            kv_usage=0.25,
+        )  # fmt: skip
+    )
+    metrics.observe_event(
+        TokensGenerated(request_id="q", seq=3, token_ids=[1], service_ns=30_000_000)
+    )
+    got = _samples(metrics)
+    assert got['brigade:num_requests_running{model_name="m"}'] == 4
+    stage = 'model_name="m",stage="engine"'
+    assert got[f"brigade:stage_duration_seconds_count{{{stage}}}"] == 1  # the run, not a step
+    assert got[f"brigade:stage_duration_seconds_sum{{{stage}}}"] == 4.0
+    assert got[f'brigade:stage_duration_seconds_bucket{{le="5.0",{stage}}}'] == 1
+    assert got[f'brigade:stage_duration_seconds_bucket{{le="2.5",{stage}}}'] == 0

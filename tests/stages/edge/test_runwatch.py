@@ -2,8 +2,18 @@ import anyio
 import pytest
 
 from schemas import subjects
-from schemas.events import RequestFailed, RunCompleted, TextGenerated, Usage, encode
-from stages.edge.runwatch import GAP_SLACK_S, RunWatch, gap_timeout_for
+from schemas.events import (
+    PromptTokenized,
+    RequestFailed,
+    RunCompleted,
+    RunFinished,
+    RunStarted,
+    TextGenerated,
+    TokensGenerated,
+    Usage,
+    encode,
+)
+from stages.edge.runwatch import GAP_SLACK_S, DeadlinePassed, RunWatch, gap_timeout_for
 from stages.runtime.bus import Bus
 
 pytestmark = pytest.mark.anyio
@@ -154,11 +164,70 @@ async def test_an_end_missed_live_is_found_in_the_log(bus_config):
             await bus.nc.flush()
             await bus.publish(_text("lost1", 0))
             await bus.nc.flush()
-            await watch._sub.unsubscribe()  # from here on nothing arrives live (a slow consumer)
-            watch._sub = await bus.nc.subscribe("llm.ev.lost1.nothing")
+            for sub in watch._live:  # from here on nothing arrives live (a slow consumer)
+                await sub.unsubscribe()
             await bus.publish(_text("lost1", 1))
             await bus.publish(_done("lost1", 1))
             assert await _collect(watch) == [0, 1]
             assert watch.terminal.last_seq == 1
+    finally:
+        await bus.close()
+
+
+def _run_events(rid: str) -> list:
+    """One run's events in the order the stages publish them, two tokens steps."""
+    tokens = [TokensGenerated(request_id=rid, seq=seq, token_ids=[7 + seq]) for seq in (0, 1)]
+    return [
+        PromptTokenized(request_id=rid, prompt_token_ids=[1, 2], model="smol"),  # routed
+        RunStarted(request_id=rid, num_running=3, kv_usage=0.25),
+        tokens[0],
+        _text(rid, 0),
+        tokens[1],
+        _text(rid, 1),
+        RunFinished(request_id=rid, finish_reason="length", last_seq=1),
+        _done(rid, 1),
+    ]
+
+
+@pytest.mark.parametrize("with_tokens", [False, True])
+async def test_a_live_watch_takes_tokens_events_only_when_asked(bus_config, with_tokens):
+    """The detokenizer reads each step's `tokens`; a watch takes them only for logprobs, and
+    sees the run's start, text and end either way."""
+    bus = await Bus.connect(bus_config)
+    seen: list[str] = []
+    try:
+        await bus.ensure_streams()
+        rid = f"tok{int(with_tokens)}"
+        observe = lambda event, _ns: seen.append(type(event).__struct_config__.tag)  # noqa: E731
+        async with RunWatch(
+            bus.nc, bus.js, rid, on_event=observe, with_tokens=with_tokens, deadline_s=5.0
+        ) as watch:
+            await bus.nc.flush()
+            for event in _run_events(rid):
+                await bus.publish(event)
+            assert await _collect(watch) == [0, 1]
+            assert watch.started and watch.terminal.last_seq == 1
+        expected = ["tokenized", "started", "text", "text", "finished", "completed"]
+        if with_tokens:
+            expected = ["tokenized", "started", "tokens", "text", "tokens", "text", "finished",
+                        "completed"]  # fmt: skip
+        assert sorted(seen) == sorted(expected)
+        assert watch._live == []  # every live subscription closed
+    finally:
+        await bus.close()
+
+
+async def test_started_alone_ends_the_wait_for_an_engine(bus_config):
+    """The deadline bounds the wait until the engine's `started`, which comes before any text."""
+    bus = await Bus.connect(bus_config)
+    try:
+        await bus.ensure_streams()
+        async with RunWatch(bus.nc, bus.js, "st1", deadline_s=0.3, idle_timeout_s=0.6) as watch:
+            await bus.nc.flush()
+            await bus.publish(RunStarted(request_id="st1"))
+            with pytest.raises(TimeoutError, match="no event for 0.6s") as raised:
+                await _collect(watch)  # past the deadline, the idle timeout ends it
+            assert not isinstance(raised.value, DeadlinePassed)
+            assert watch.started
     finally:
         await bus.close()
