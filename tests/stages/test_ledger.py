@@ -134,3 +134,22 @@ async def test_redelivered_terminal_events_bill_once(
         ("completed", "acme:c1:run", 5)
     ]
     await bus.close()
+
+
+def test_inside_one_batch_the_first_row_of_a_key_wins(tmp_path: Path) -> None:
+    """A batch is one INSERT: a run's `failed` and then its `completed` in the same batch bill
+    the `failed`, as two batches would, and the batch's other rows go in beside them."""
+    db = tmp_path / "ledger.duckdb"
+    failed = RequestFailed(request_id="r1", tenant="acme", stage="engine", code="internal",
+                           message="x")  # fmt: skip
+    stored = ledger.write_rows(
+        db,
+        [ledger.row_for(e) for e in (failed, completed("r1", n=7), completed("r2"), failed)],
+    )
+    assert stored["acme:r1:run"].status == "failed" and stored["acme:r2:run"].usage == Usage(
+        prompt_tokens=12, completion_tokens=5
+    )
+    assert rows(db) == [
+        ("acme:r1:run", "acme", "failed", 0, 0, "engine:internal"),
+        ("acme:r2:run", "acme", "completed", 12, 5, "length"),
+    ]
