@@ -102,14 +102,17 @@ def row_for(event: Terminal) -> Row:
     )
 
 
-def connect(path: Path, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:
-    """Open the ledger, waiting while another process holds DuckDB's file lock."""
+def connect(
+    path: Path, *, read_only: bool = False, threads: int | None = None
+) -> duckdb.DuckDBPyConnection:
+    """Open the ledger, waiting while another process holds DuckDB's file lock; `threads` caps
+    DuckDB's pool (None: its default)."""
+    config = {} if threads is None else {"threads": threads}
     deadline = time.monotonic() + LOCK_TIMEOUT_S
     delay = 0.005
     while True:
         try:
-            # one thread: a few rows a batch need no pool, and starting one costs ~6 ms
-            return duckdb.connect(str(path), read_only=read_only, config={"threads": 1})
+            return duckdb.connect(str(path), read_only=read_only, config=config)
         except duckdb.IOException as err:
             if not duckdb_file_busy(err) or time.monotonic() > deadline:
                 raise
@@ -121,18 +124,20 @@ def write_rows(path: Path, rows: list[Row]) -> dict[str, Row]:
     """Insert rows not billed yet; return the stored row for every key (first bill wins)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     now = time.time_ns()
-    con = connect(path)
+    con = connect(path, threads=1)  # a few rows need no pool, and starting one costs ~6 ms
     try:
         con.execute(SCHEMA)
         # one statement for the batch (executemany runs the INSERT once a row, ~4 ms each),
         # of each key's first row: the first bill wins inside a batch as across batches
-        firsts = list({r.billing_key: r for r in reversed(rows)}.values())[::-1]
+        firsts: dict[str, Row] = {}
+        for r in rows:
+            firsts.setdefault(r.billing_key, r)
         values = ", ".join("(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)" for _ in firsts)
         con.execute(
             f"INSERT INTO billing ({COLUMNS}) VALUES {values} ON CONFLICT DO NOTHING",
             [
                 v
-                for r in firsts
+                for r in firsts.values()
                 for v in (r.billing_key, r.tenant, r.request_id, BILLING_TYPE, r.status,
                           r.usage.prompt_tokens, r.usage.completion_tokens,
                           r.usage.cached_tokens, r.detail, r.event_ts_ns, now)
