@@ -50,10 +50,9 @@ from stages.runtime.failures import bus_away_span_s, bus_unavailable
 
 Terminal = RunCompleted | RunCancelled | RequestFailed
 TERMINAL_TAGS = ("completed", "cancelled", "failed")
-# What a live watch subscribes to: the stages' lifecycle events (the edge's per-stage metrics;
-# `tokenized` carries the model's token after its tag), the engine's start and finish (its
-# gauges, admission), the text, and the run's end.
-LIVE_EVENTS = ("accepted", "authorized", "assembled", "tokenized.*", "started", "finished", "text",
+# What a live watch subscribes to: the stages' lifecycle events (the edge's per-stage metrics),
+# the engine's start and finish (its gauges, admission), the text, and the run's end.
+LIVE_EVENTS = ("accepted", "authorized", "assembled", "tokenized", "started", "finished", "text",
                *TERMINAL_TAGS)  # fmt: skip
 
 
@@ -136,11 +135,9 @@ class RunWatch:
             self._inbox_in, self._inbox = anyio.create_memory_object_stream[bytes](math.inf)
             tags = (*LIVE_EVENTS, "tokens") if self.with_tokens else LIVE_EVENTS
             for tag in tags:
-                self._live.append(
-                    await self.nc.subscribe(
-                        subjects.event_subject(self.request_id, tag), cb=self._on_live
-                    )
-                )
+                route = "*" if tag in subjects.ROUTED_EVENTS else None  # any model's
+                live = subjects.event_subject(self.request_id, tag, route)
+                self._live.append(await self.nc.subscribe(live, cb=self._on_live))
         self._follow = await answer_run_follows(self.nc, self.request_id)  # someone follows it
 
     async def _on_live(self, msg) -> None:
