@@ -1,0 +1,339 @@
+/* fp32 GEMM over GGUF Q4_1 blocks on AMX's bf16 tiles: y = x W^T for many rows of x (prefill
+ * chunks), to the fp32 matmul's accuracy, not bf16's.
+ *
+ * A Q4_1 weight is d * q + m: q a 4-bit code, d and m the block's scales (fp16 in the file, so
+ * 11 significant bits each). So for one block b of 32 inputs,
+ *     sum_i x_i w_i = sum_i x_i (d q_i) + m * sum_i x_i,
+ * and every factor splits exactly into a few bf16 pieces (8 significant bits each):
+ *   - d q_i has at most 15 significant bits: two pieces, hi + lo, hold it exactly;
+ *   - m: two pieces, exactly;
+ *   - x_i (fp32, 24 bits): three pieces, xh + xm + xl, exactly (each the rounding of what the
+ *     pieces before it left; 8 bits and a sign each).
+ * AMX's TDPBF16PS multiplies bf16 pairs exactly into fp32 and adds in fp32, so five products,
+ * xh*hi + xm*hi + xl*hi + xh*lo + xm*lo, give every term down to 2^-18 of |x d q| (the one left
+ * out, xl*lo, is below 2^-26 of it, under fp32's own rounding). The m terms are the same GEMM
+ * over extra K: the rows' block sums (fp32, three pieces) against m (two pieces). The sums are
+ * fp32 throughout, in another order than an fp32 matmul's, so the result is that matmul's up to
+ * summation order, as the FMA kernels' are (cpu_quant_gemm.c), from 5 bf16 tile products where
+ * AVX-512 does one fp32 FMA each.
+ *
+ * Layouts, made once at load by kernels/cpu_amx_gemm.py (pack) from the held Q4_1 blocks, output
+ * features padded to a multiple of 32 (two panels of 16, one tile's columns each):
+ *   nib [panel][nb][16][16] uint8   a B tile's rows of codes: row i holds, for lane j = 2n + p,
+ *                                   q[16 panel + n][32 b + 2 i + p]; byte j the lanes j (low
+ *                                   nibble) and j + 16 (high nibble)
+ *   dv  [panel][nb][32] fp32        d of lane j's feature
+ *   mv  [panel][ne][16][32] fp32    the m rows: row i, lane j: m[16 panel + n] of block
+ *                                   32 e + 2 i + p (0 past the last block); ne = ceil(nb / 32)
+ *   x   [rows, in] fp32, row stride x_stride;  y [rows, out] fp32, row stride y_stride
+ * kernel_isa() is 3 where it was built with AMX, else 0 and every entry refuses (-3).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__)
+#define AMX 1
+#include <immintrin.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define AMX 0
+#endif
+
+int kernel_isa(void) { return AMX ? 3 : 0; }
+
+#if AMX
+#define QK 32
+#define HUGE_PAGE (2 << 20)
+#define PIECE_BYTES 1024 /* one tile: 16 rows of 32 bf16 */
+#ifndef SUPER_BYTES
+#define SUPER_BYTES (1536 * 1024)
+#endif /* packed x of one row super-block: within L2 */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Every tile 16 rows of 64 bytes: 0-3 the 2 x 2 accumulators, 4-5 x, 6-7 the weights. GCC 12's
+ * _tile_loadconfig declares an 8-byte read, so the compiler may drop the configuration's other
+ * stores as dead; this asm names the whole struct. */
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+/* Linux hands out AMX's tile state only on request (ARCH_REQ_XCOMP_PERM for XTILEDATA), once per
+ * process. 1: granted, and one tile product gave the right sums. */
+int amx_ready(void) {
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0;
+    static uint16_t a[16 * 32], b[16 * 32];
+    static float c[16 * 16];
+    for (int i = 0; i < 16 * 32; ++i) {
+        a[i] = 0x3f80;                     /* 1.0 */
+        b[i] = (uint16_t)(0x4000 + (i & 1) * 0x40); /* 2.0, 3.0 */
+    }
+    configure_tiles();
+    _tile_zero(0);
+    _tile_loadd(4, a, 64);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_stored(0, c, 64);
+    _tile_release();
+    for (int i = 0; i < 16 * 16; ++i)
+        if (c[i] != 80.0f) return 0; /* 16 pairs of 1 * 2 + 1 * 3 */
+    return 1;
+}
+
+/* The pieces are cut by truncation: a value's top 8 significant bits (its fp32 bits with the
+ * low 16 cleared, a bf16 exactly), then what is left, exact in fp32, cut the same way. */
+#define HIGH_BITS 0xffff0000u
+
+static inline __m512 truncated(__m512 v) {
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)HIGH_BITS)));
+}
+
+/* 32 fp32 whose low 16 bits are zero (lo: lanes 0..15, hi: 16..31) -> the 32 bf16, in order. */
+static inline void store_bf16(uint16_t *dst, __m512 lo, __m512 hi) {
+    const __m512i odd_words = _mm512_set_epi16(
+        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+        31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);  /* clang-format: keep */
+    _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(_mm512_castps_si512(lo), odd_words,
+                                                       _mm512_castps_si512(hi)));
+}
+
+/* 32 fp32 -> three bf16 rows of 32, xh + xm + xl = the values exactly (8 + 8 + 8 bits). */
+static inline void split3(__m512 lo, __m512 hi, uint16_t *h, uint16_t *m, uint16_t *l) {
+    const __m512 hl = truncated(lo), hh = truncated(hi);
+    lo = _mm512_sub_ps(lo, hl);
+    hi = _mm512_sub_ps(hi, hh);
+    const __m512 ml = truncated(lo), mh = truncated(hi);
+    store_bf16(h, hl, hh);
+    store_bf16(m, ml, mh);
+    store_bf16(l, _mm512_sub_ps(lo, ml), _mm512_sub_ps(hi, mh));
+}
+
+/* 32 fp32 of at most 16 significant bits (d * q, or m) -> two bf16 rows, hi + lo = them. */
+static inline void split2(__m512 lo, __m512 hi, uint16_t *h, uint16_t *l) {
+    const __m512 hl = truncated(lo), hh = truncated(hi);
+    store_bf16(h, hl, hh);
+    store_bf16(l, _mm512_sub_ps(lo, hl), _mm512_sub_ps(hi, hh));
+}
+
+/* Rows r0 .. r0 + 15 of x (those < rows; the rest zero) -> their A tiles:
+ * xa [kbt][3][16][32] bf16, nb blocks of x, then ne blocks of the rows' block sums. */
+static void pack_rows(const float *x, int64_t x_stride, int64_t rows, int64_t r0, int nb, int ne,
+                      uint16_t *xa, float *sums /* [16][ne * 32] */) {
+    memset(sums, 0, sizeof(float) * 16 * ne * QK);
+    for (int r = 0; r < 16; ++r) {
+        const int live = r0 + r < rows;
+        const float *xr = x + (r0 + r) * x_stride;
+        for (int b = 0; b < nb; ++b) {
+            uint16_t *t = xa + (int64_t)b * 3 * (PIECE_BYTES / 2) + r * QK;
+            __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+            if (live) {
+                lo = _mm512_loadu_ps(xr + b * QK);
+                hi = _mm512_loadu_ps(xr + b * QK + 16);
+                sums[r * ne * QK + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            }
+            split3(lo, hi, t, t + PIECE_BYTES / 2, t + PIECE_BYTES);
+        }
+    }
+    for (int e = 0; e < ne; ++e)
+        for (int r = 0; r < 16; ++r) {
+            uint16_t *t = xa + (int64_t)(nb + e) * 3 * (PIECE_BYTES / 2) + r * QK;
+            const float *s = sums + r * ne * QK + e * QK;
+            split3(_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16), t, t + PIECE_BYTES / 2,
+                   t + PIECE_BYTES);
+        }
+}
+
+/* Panels 2 pp and 2 pp + 1 -> their B tiles: wb [kbt][2 pieces][2 panels][16][32] bf16. */
+static void unpack_panels(const uint8_t *nib, const float *dv, const float *mv, int64_t pp,
+                          int nb, int ne, uint16_t *wb) {
+    const __m512i low4 = _mm512_set1_epi32(0x0f);
+    for (int s = 0; s < 2; ++s) {
+        const int64_t panel = 2 * pp + s;
+        for (int b = 0; b < nb; ++b) {
+            const uint8_t *codes = nib + (panel * nb + b) * 256;
+            const __m512 dlo = _mm512_loadu_ps(dv + (panel * nb + b) * QK);
+            const __m512 dhi = _mm512_loadu_ps(dv + (panel * nb + b) * QK + 16);
+            uint16_t *hi_t = wb + ((int64_t)b * 4 + s) * (PIECE_BYTES / 2);
+            uint16_t *lo_t = hi_t + 2 * (PIECE_BYTES / 2);
+            for (int i = 0; i < 16; ++i) {
+                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * i)));
+                const __m512 wlo = _mm512_mul_ps(dlo, _mm512_cvtepi32_ps(_mm512_and_si512(q, low4)));
+                const __m512 whi = _mm512_mul_ps(dhi, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)));
+                split2(wlo, whi, hi_t + i * QK, lo_t + i * QK); /* d * q: exact in fp32 */
+            }
+        }
+        for (int e = 0; e < ne; ++e) {
+            const float *m = mv + ((panel * ne + e) * 16) * QK;
+            uint16_t *hi_t = wb + ((int64_t)(nb + e) * 4 + s) * (PIECE_BYTES / 2);
+            uint16_t *lo_t = hi_t + 2 * (PIECE_BYTES / 2);
+            for (int i = 0; i < 16; ++i)
+                split2(_mm512_loadu_ps(m + i * QK), _mm512_loadu_ps(m + i * QK + 16),
+                       hi_t + i * QK, lo_t + i * QK);
+        }
+    }
+}
+
+/* 32 rows (two A row tiles at xa0, xa1) x 32 features (wb) over kbt blocks -> tmp [32][32]. */
+static void tile_2x2(const uint16_t *xa0, const uint16_t *xa1, const uint16_t *wb, int kbt,
+                     float *tmp) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int b = 0; b < kbt; ++b) {
+        const uint16_t *a0 = xa0 + (int64_t)b * 3 * (PIECE_BYTES / 2);
+        const uint16_t *a1 = xa1 + (int64_t)b * 3 * (PIECE_BYTES / 2);
+        const uint16_t *w = wb + (int64_t)b * 4 * (PIECE_BYTES / 2);
+        /* the weights' hi piece against x's three */
+        _tile_loadd(6, w, 64);
+        _tile_loadd(7, w + PIECE_BYTES / 2, 64);
+        _tile_loadd(4, a0, 64);
+        _tile_loadd(5, a1, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(4, a0 + PIECE_BYTES / 2, 64);
+        _tile_loadd(5, a1 + PIECE_BYTES / 2, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(4, a0 + PIECE_BYTES, 64);
+        _tile_loadd(5, a1 + PIECE_BYTES, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        /* the lo piece against xh and xm */
+        _tile_loadd(6, w + PIECE_BYTES, 64);
+        _tile_loadd(7, w + 3 * (PIECE_BYTES / 2), 64);
+        _tile_loadd(4, a0, 64);
+        _tile_loadd(5, a1, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(4, a0 + PIECE_BYTES / 2, 64);
+        _tile_loadd(5, a1 + PIECE_BYTES / 2, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, tmp, 128);
+    _tile_stored(1, tmp + 16, 128);
+    _tile_stored(2, tmp + 16 * 32, 128);
+    _tile_stored(3, tmp + 16 * 32 + 16, 128);
+}
+
+/* The calling thread's scratch, kept between calls and grown as needed (a fresh allocation of
+ * this size is mapped anew each call, and its page faults cost as much as packing the rows), in
+ * 2 MB pages where the kernel gives them: the tiles' loads walk megabytes of packed rows, and
+ * with 4 KB pages their TLB misses doubled a layer's GEMMs (9.2 -> 19 ms) once a second buffer
+ * of that size was in use between calls. */
+static void *scratch(size_t bytes) {
+    static __thread void *buf = NULL;
+    static __thread size_t cap = 0;
+    if (bytes > cap) {
+        free(buf);
+        cap = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+        buf = aligned_alloc(HUGE_PAGE, cap);
+        if (buf == NULL) cap = 0;
+#ifdef MADV_HUGEPAGE
+        else madvise(buf, cap, MADV_HUGEPAGE);
+#endif
+    }
+    return buf;
+}
+
+/* 0 on success; -1 for a shape it does not take (the wrapper checks first); -2 no memory for
+ * the packed rows; -3 not built with AMX. amx_ready() must have returned 1 in this process. */
+int amx_gemm_q4_1(const uint8_t *nib, const float *dv, const float *mv, int64_t out_features,
+                  int64_t in_features, const float *x, int64_t x_stride, int64_t rows, float *y,
+                  int64_t y_stride, int num_threads) {
+    if (in_features % QK || in_features < QK || rows < 1 || out_features < 1) return -1;
+    const int nb = (int)(in_features / QK), ne = (nb + QK - 1) / QK, kbt = nb + ne;
+    const int64_t num_pairs = (out_features + 31) / 32;
+    const int64_t row_tiles = (rows + 31) / 32 * 2; /* in pairs: rows padded to 32 */
+    const int64_t tile_elems = (int64_t)kbt * 3 * (PIECE_BYTES / 2); /* one row tile's A */
+    const int64_t wb_elems = (int64_t)kbt * 4 * (PIECE_BYTES / 2);
+    int64_t pairs_per_super = SUPER_BYTES / (2 * tile_elems * 2);
+    if (pairs_per_super < 1) pairs_per_super = 1;
+    if (num_threads < 1) num_threads = 1;
+#ifndef _OPENMP
+    num_threads = 1;
+#endif
+    const size_t bytes = (size_t)(row_tiles * tile_elems + num_threads * wb_elems) * 2 +
+                         (size_t)num_threads * (16 * ne * QK + 32 * 32) * sizeof(float);
+    uint16_t *xa = scratch(bytes);
+    if (xa == NULL) return -2;
+    uint16_t *wb_all = xa + row_tiles * tile_elems;
+    float *f32_all = (float *)(wb_all + num_threads * wb_elems);
+#pragma omp parallel num_threads(num_threads) if (out_features * rows >= 4096)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        uint16_t *wb = wb_all + t * wb_elems;
+        float *sums = f32_all + t * (16 * ne * QK + 32 * 32), *tmp = sums + 16 * ne * QK;
+#pragma omp for schedule(static)
+        for (int64_t rt = 0; rt < row_tiles; ++rt)
+            pack_rows(x, x_stride, rows, rt * 16, nb, ne, xa + rt * tile_elems, sums);
+        configure_tiles();
+        const int64_t num_row_pairs = row_tiles / 2;
+        for (int64_t s0 = 0; s0 < num_row_pairs; s0 += pairs_per_super) {
+            const int64_t s1 = s0 + pairs_per_super < num_row_pairs ? s0 + pairs_per_super
+                                                                     : num_row_pairs;
+            /* the same panel pairs for each thread in every super-block: no barrier needed */
+#pragma omp for schedule(static) nowait
+            for (int64_t pp = 0; pp < num_pairs; ++pp) {
+                unpack_panels(nib, dv, mv, pp, nb, ne, wb);
+                const int64_t o0 = pp * 32;
+                const int nc = out_features - o0 < 32 ? (int)(out_features - o0) : 32;
+                for (int64_t rp = s0; rp < s1; ++rp) {
+                    tile_2x2(xa + 2 * rp * tile_elems, xa + (2 * rp + 1) * tile_elems, wb, kbt,
+                             tmp);
+                    const int64_t r0 = rp * 32;
+                    const int nr = rows - r0 < 32 ? (int)(rows - r0) : 32;
+                    for (int r = 0; r < nr; ++r)
+                        memcpy(y + (r0 + r) * y_stride + o0, tmp + r * 32, nc * sizeof(float));
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+#else
+int amx_ready(void) { return 0; }
+
+int amx_gemm_q4_1(const uint8_t *nib, const float *dv, const float *mv, int64_t out_features,
+                  int64_t in_features, const float *x, int64_t x_stride, int64_t rows, float *y,
+                  int64_t y_stride, int num_threads) {
+    (void)nib, (void)dv, (void)mv, (void)out_features, (void)in_features, (void)x;
+    (void)x_stride, (void)rows, (void)y, (void)y_stride, (void)num_threads;
+    return -3;
+}
+#endif

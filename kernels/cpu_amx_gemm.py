@@ -1,0 +1,178 @@
+"""fp32 GEMMs over GGUF Q4_1 blocks on AMX's bf16 tiles (cpu_amx_gemm.c), for prefill chunks.
+
+`amx_gemm(x, packed)` is x [rows, in] fp32 times the weight `pack(blocks)` holds, transposed:
+every factor split exactly into bf16 pieces (x into three, d * q and m into two), five tile
+products summed in fp32, so the result is the fp32 matmul's up to summation order, as
+cpu_quant_gemm's is. Used only where it works: the CPU lists AMX (tile, bf16) and AVX-512 BF16,
+the kernel builds with them, Linux grants the tile state (arch_prctl) and one tile product on
+this CPU gives the right sums; `available()` says whether all of that held. A VM may list AMX
+and not enable it; then this kernel is never called and cpu_quant_gemm runs instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kernels import cbuild
+from kernels.cbuild import IsaLevels
+from kernels.cpu_quant_gemv import BLOCK_BYTES, Q4_1_CODES, check_blocks
+
+SOURCE = Path(__file__).with_name("cpu_amx_gemm.c")
+PANEL = 16  # output features a tile's columns hold; panels go in pairs
+FLAG_SETS = (("-O2", "-fopenmp"), ("-O2",))
+LEVELS = IsaLevels(
+    compiler_flags={
+        "amx": (
+            "-mamx-tile",
+            "-mamx-bf16",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mavx512bf16",
+        ),
+        "none": (),
+    },  # fmt: skip
+    needs={
+        "amx": frozenset(
+            ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+        ),
+        "none": frozenset(),
+    },
+    codes={"amx": 3, "none": 0},
+)
+
+_i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+
+
+class AmxGemmOptions(cbuild.KernelOptions):
+    """The compiler and cache; `enabled=False` keeps every prefill on cpu_quant_gemm."""
+
+    LEVELS = tuple(LEVELS.names)
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    lib.amx_ready.argtypes, lib.amx_ready.restype = [], ctypes.c_int
+    fn = lib.amx_gemm_q4_1
+    fn.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32]
+    fn.restype = ctypes.c_int
+
+
+_KERNEL = cbuild.CKernel(
+    title="the CPU AMX GEMM kernel",
+    source=SOURCE,
+    levels=LEVELS,
+    flag_sets=FLAG_SETS,
+    bind=_bind,
+    fallback="prefill runs on the AVX-512 / AVX2 block GEMM",
+    options=AmxGemmOptions(),
+)
+cache_dir = _KERNEL.cache_dir
+load = _KERNEL.load
+library_isa = LEVELS.of
+
+
+def configure(options: AmxGemmOptions) -> None:
+    _KERNEL.configure(options)
+    _ready.cache_clear()
+
+
+@cache
+def _ready() -> ctypes.CDLL | None:
+    lib = load()
+    if lib is None or library_isa(lib) != "amx":
+        return None
+    return lib if lib.amx_ready() == 1 else None
+
+
+def available() -> bool:
+    """Whether the AMX GEMM runs here: built with AMX, tile state granted, one product right."""
+    return _ready() is not None
+
+
+@dataclass(frozen=True)
+class AmxPacked:
+    """A Q4_1 weight [out, in] in the kernel's layout (cpu_amx_gemm.c): B tiles' codes, the d of
+    each lane, the m rows; out padded to a multiple of 2 * PANEL with zero weights."""
+
+    nib: Tensor  # [panels, nb, 16, 16] uint8
+    dv: Tensor  # [panels, nb, 32] fp32
+    mv: Tensor  # [panels, ne, 16, 32] fp32
+    out_features: int
+    in_features: int
+
+
+def pack(blocks: Tensor) -> AmxPacked:
+    """Held Q4_1 blocks [out, in / 32 * 24] uint8 -> the kernel's layout (once, at load)."""
+    out_features = blocks.shape[0]
+    in_features = blocks.shape[1] // BLOCK_BYTES["q4_1"] * 32
+    check_blocks(blocks, "q4_1", in_features)
+    nb = in_features // 32
+    ne = -(-nb // 32)
+    padded = -(-out_features // (2 * PANEL)) * 2 * PANEL
+    panels = padded // PANEL
+    b = blocks.reshape(out_features, nb, BLOCK_BYTES["q4_1"])
+    d = torch.zeros(padded, nb)
+    m = torch.zeros(padded, ne * 32)
+    d[:out_features] = b[..., 0:4].contiguous().view(torch.float32)[..., 0]
+    m[:out_features, :nb] = b[..., 4:8].contiguous().view(torch.float32)[..., 0]
+    qs = b[..., Q4_1_CODES:]
+    q = torch.zeros(padded, nb, 32, dtype=torch.uint8)
+    q[:out_features] = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [out, nb, 32]: code of k
+    # a B tile's row i, lane j = 2 n + p: code k = 2 i + p of feature n
+    lanes = q.view(panels, PANEL, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(panels, nb, 16, 32)
+    nib = (lanes[..., :16] | (lanes[..., 16:] << 4)).contiguous()
+    dv = d.view(panels, PANEL, nb).permute(0, 2, 1).repeat_interleave(2, dim=-1).contiguous()
+    mv = m.view(panels, PANEL, ne, 16, 2).permute(0, 2, 3, 1, 4).reshape(panels, ne, 16, 32)
+    return AmxPacked(nib, dv, mv.contiguous(), out_features, in_features)
+
+
+def amx_gemm(
+    x: Tensor,  # [rows, in] fp32, rows >= 1; each row contiguous
+    packed: AmxPacked,
+    out: Tensor | None = None,  # [rows, out] fp32, rows contiguous; default: a new tensor
+) -> Tensor:
+    """x @ W.T for the Q4_1 weight W [out, in] that `packed` holds, in fp32 -> [rows, out]."""
+    lib = _ready()
+    if lib is None:
+        raise RuntimeError("the AMX GEMM does not run here (see available() and the log)")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        raise ValueError(
+            f"x must be a 2-D float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    rows, in_features = x.shape
+    if rows < 1 or x.stride(1) != 1:
+        raise ValueError(f"x needs rows (got {rows}), each contiguous")
+    if in_features != packed.in_features:
+        raise ValueError(f"x has {in_features} features, the weight takes {packed.in_features}")
+    if out is None:
+        out = torch.empty(rows, packed.out_features, dtype=torch.float32)
+    elif (
+        out.dtype != torch.float32
+        or tuple(out.shape) != (rows, packed.out_features)
+        or out.stride(1) != 1
+    ):
+        raise ValueError(f"out must be a [{rows}, {packed.out_features}] float32 tensor")
+    status = lib.amx_gemm_q4_1(
+        packed.nib.data_ptr(),
+        packed.dv.data_ptr(),
+        packed.mv.data_ptr(),
+        packed.out_features,
+        in_features,
+        x.data_ptr(),
+        x.stride(0),
+        rows,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise MemoryError(f"amx_gemm_q4_1: no memory to pack {rows} x {in_features} inputs")
+    assert status == 0, f"amx_gemm_q4_1 refused a shape the wrapper checked: {tuple(x.shape)}"
+    return out
