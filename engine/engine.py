@@ -63,6 +63,10 @@ class EngineConfig:
     # greedy rows of a Q8_0 LM head (fp32 on the CPU, AVX-512 VNNI): an int8 screen, then the
     # fp32 logits of the tokens it leaves; the same tokens (kernels/cpu_greedy_head.py)
     screened_head: bool = True
+    # steps of more than 32 rows (prefill chunks) on fp32 Q4_1 blocks run their GEMMs on AMX's
+    # bf16 tiles, each factor split exactly into bf16 pieces and summed in fp32: the fp32
+    # matmul up to summation order (kernels/cpu_amx_gemm.py), where AMX works on this CPU
+    amx_prefill: bool = True
     # reuse the K/V of full blocks a prompt shares with earlier ones (see block_manager.py)
     enable_prefix_caching: bool = False
     # speculative decoding with the n-gram proposer (spec_decode.py): draft tokens per step for
@@ -161,6 +165,7 @@ class Engine:
             quantized_gemv=config.quantized_gemv,
             fused_decode=config.fused_decode,
             screened_head=config.screened_head,
+            amx_prefill=config.amx_prefill,
         )
         self.tokenizer = load_tokenizer(config.model)
         limit = self.model_config.max_position_embeddings

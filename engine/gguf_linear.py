@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kernels import cpu_quant_gemm, cpu_quant_gemv
+from kernels import cpu_amx_gemm, cpu_quant_gemm, cpu_quant_gemv
 from kernels.cpu_quant_gemv import BlockKind
 
 
@@ -60,7 +60,9 @@ GEMV_MAX_ROWS = 32
 class GGUFLinear(nn.Module):
     """The block GEMV for steps of at most GEMV_MAX_ROWS fp32 rows, the block GEMM above
     (`gemm`: it was built), `dense` otherwise; `invariant`: the GEMV at every row count. With
-    the GEMM, or in the invariant mode, no step needs `dense`, and it is not kept."""
+    the GEMM, or in the invariant mode, no step needs `dense`, and it is not kept. `amx`: Q4_1
+    steps above GEMV_MAX_ROWS go through the AMX GEMM where it runs (kernels/cpu_amx_gemm.py;
+    its own copy of the weights, packed for the tiles: 0.75 bytes a weight)."""
 
     def __init__(
         self,
@@ -69,6 +71,7 @@ class GGUFLinear(nn.Module):
         *,
         gemm: bool | None = None,
         invariant: bool = False,
+        amx: bool = False,
     ) -> None:
         super().__init__()
         if blocks.data.shape[0] != dense.out_features:
@@ -81,6 +84,9 @@ class GGUFLinear(nn.Module):
         self.gemm = cpu_quant_gemm.available() if gemm is None else gemm
         self.invariant = invariant
         self.dense: nn.Module | None = None if (self.gemm or invariant) else dense
+        self.amx: cpu_amx_gemm.AmxPacked | None = None
+        if amx and not invariant and self.kind == "q4_1" and cpu_amx_gemm.available():
+            self.amx = cpu_amx_gemm.pack(self.blocks)
 
     def forward(self, x: Tensor) -> Tensor:  # [n, in] -> [n, out]
         rows = x.shape[0]
@@ -94,10 +100,14 @@ class GGUFLinear(nn.Module):
             x = x.contiguous()
         if rows <= GEMV_MAX_ROWS or self.invariant:
             return cpu_quant_gemv.quant_gemv(x, self.blocks, self.kind)
+        if self.amx is not None:
+            return cpu_amx_gemm.amx_gemm(x, self.amx)
         return cpu_quant_gemm.quant_gemm(x, self.blocks, self.kind)
 
 
-def with_blocks(dense: nn.Module, blocks: GGUFBlocks | None, invariant: bool = False) -> nn.Module:
+def with_blocks(
+    dense: nn.Module, blocks: GGUFBlocks | None, invariant: bool = False, amx: bool = False
+) -> nn.Module:
     """`dense` itself without blocks, else a GGUFLinear over both (`invariant`: the GEMV at
-    every row count)."""
-    return dense if blocks is None else GGUFLinear(blocks, dense, invariant=invariant)
+    every row count; `amx`: the AMX GEMM above it, where it runs)."""
+    return dense if blocks is None else GGUFLinear(blocks, dense, invariant=invariant, amx=amx)

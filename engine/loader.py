@@ -118,6 +118,7 @@ def load_model(
     quantized_gemv: bool = True,
     fused_decode: bool = True,
     screened_head: bool = True,
+    amx_prefill: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a registered name, a .gguf path or an HF directory onto `device` in `dtype`.
 
@@ -133,6 +134,9 @@ def load_model(
     (kernels/cpu_decode.py); off in the batch-invariant mode.
     screened_head: with a Q8_0 head among those blocks, greedy rows take their tokens through an
     int8 screen and the fp32 logits of what it leaves (kernels/cpu_greedy_head.py).
+    amx_prefill: with Q4_1 blocks, steps of more than 32 rows run their layers' GEMMs on AMX's
+    bf16 tiles with every factor split exactly into bf16 pieces (fp32 sums), where AMX works
+    here (kernels/cpu_amx_gemm.py); elsewhere, or off, the block GEMM.
     """
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -162,6 +166,7 @@ def load_model(
         blocks=blocks,
         fused_decode=fused_decode,
         screened_head=screened_head,
+        amx_prefill=amx_prefill,
     )
     return llama, config
 

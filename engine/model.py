@@ -42,6 +42,7 @@ class DecoderLayer(nn.Module):
         quantization: Quantization | None,
         batch_invariant: bool = False,
         blocks: dict[str, GGUFBlocks] | None = None,  # this layer's GGUF blocks (fp32 decode)
+        amx: bool = False,  # prefill's Q4_1 GEMMs on AMX tiles, where they run (gguf_linear.py)
     ) -> None:
         super().__init__()
         c = config
@@ -57,13 +58,13 @@ class DecoderLayer(nn.Module):
         qkv_blocks = concat_blocks([b.get(f"{attn}{n}_proj.weight") for n in "qkv"])
         gate_up_blocks = concat_blocks([b.get(f"{mlp}{n}_proj.weight") for n in ("gate", "up")])
         inv = batch_invariant
-        self.qkv_proj = with_blocks(make_linear(qkv, **lin), qkv_blocks, inv)
+        self.qkv_proj = with_blocks(make_linear(qkv, **lin), qkv_blocks, inv, amx)
         o_blocks, down_blocks = b.get(f"{attn}o_proj.weight"), b.get(f"{mlp}down_proj.weight")
         o_proj = make_linear(weights[f"{attn}o_proj.weight"], **lin)
-        self.o_proj = with_blocks(o_proj, o_blocks, inv)
-        self.gate_up_proj = with_blocks(make_linear(gate_up, **lin), gate_up_blocks, inv)
+        self.o_proj = with_blocks(o_proj, o_blocks, inv, amx)
+        self.gate_up_proj = with_blocks(make_linear(gate_up, **lin), gate_up_blocks, inv, amx)
         down = make_linear(weights[f"{mlp}down_proj.weight"], **lin)
-        self.down_proj = with_blocks(down, down_blocks, inv)
+        self.down_proj = with_blocks(down, down_blocks, inv, amx)
         self.input_norm = nn.Parameter(weights["input_layernorm.weight"].to(dtype), False)
         self.post_attn_norm = nn.Parameter(
             weights["post_attention_layernorm.weight"].to(dtype), False
@@ -106,6 +107,7 @@ class LlamaForCausalLM(nn.Module):
         blocks: dict[str, GGUFBlocks] | None = None,  # GGUF blocks by HF name (gguf_linear.py)
         fused_decode: bool = True,  # steps of <= 32 tokens in one C call (kernels/cpu_decode.py)
         screened_head: bool = True,  # greedy rows' tokens via kernels/cpu_greedy_head.py
+        amx_prefill: bool = True,  # steps past 32 rows on AMX tiles where they run
     ) -> None:
         super().__init__()
         self.config, self.dtype, self.device = config, dtype, device
@@ -127,6 +129,7 @@ class LlamaForCausalLM(nn.Module):
                     quantization=quantization,
                     batch_invariant=batch_invariant,
                     blocks=own_blocks,
+                    amx=amx_prefill,
                 )
             )
         self.norm = nn.Parameter(weights["model.norm.weight"].to(dtype), requires_grad=False)

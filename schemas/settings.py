@@ -418,6 +418,13 @@ SCREENED_HEAD = declare(Setting[bool](
     "leaves, the same tokens (kernels/cpu_greedy_head.py; AVX-512 VNNI); 0: the whole fp32 head",
     readers=("engine",),
 ))  # fmt: skip
+AMX_PREFILL = declare(Setting[bool](
+    name="BRIGADE_AMX_PREFILL", kind="bool", default=True,
+    help="fp32 Q4_1 steps of more than 32 rows (prefill) run their GEMMs on AMX bf16 tiles, "
+    "every factor split exactly into bf16 pieces, fp32 sums (kernels/cpu_amx_gemm.py), where "
+    "AMX works; 0: the AVX-512 / AVX2 block GEMM",
+    readers=("engine",),
+))  # fmt: skip
 CPU_KERNEL = declare(Setting[bool](
     name="BRIGADE_CPU_KERNEL", kind="bool", default=True,
     help="the compiled CPU paged-attention kernel; 0: the pure-torch reference",

@@ -163,6 +163,7 @@ def engine_config_from_env() -> Any:
         (settings.QUANTIZED_GEMV, "quantized_gemv"),
         (settings.FUSED_DECODE, "fused_decode"),
         (settings.SCREENED_HEAD, "screened_head"),
+        (settings.AMX_PREFILL, "amx_prefill"),
     ):
         if found.source(setting) == "env":  # else EngineConfig's own default (the same)
             kwargs[name] = found[setting]
@@ -174,9 +175,17 @@ def engine_config_from_env() -> Any:
 
 def configure_kernels(found: settings.Settings | None = None) -> None:
     """The CPU attention kernel's switch, compiler and cache, and the quantized GEMV's, GEMM's,
-    fused decode forward's and screened head's compiler and cache (their switches are
-    EngineConfig's quantized_gemv, fused_decode and screened_head), from settings."""
-    from kernels import cpu_attention, cpu_decode, cpu_greedy_head, cpu_quant_gemm, cpu_quant_gemv
+    AMX GEMM's, fused decode forward's and screened head's compiler and cache (their switches
+    are EngineConfig's quantized_gemv, amx_prefill, fused_decode and screened_head), from
+    settings."""
+    from kernels import (
+        cpu_amx_gemm,
+        cpu_attention,
+        cpu_decode,
+        cpu_greedy_head,
+        cpu_quant_gemm,
+        cpu_quant_gemv,
+    )
 
     found = found or settings.load()
     cpu_attention.configure(
@@ -193,6 +202,11 @@ def configure_kernels(found: settings.Settings | None = None) -> None:
     )
     cpu_quant_gemm.configure(
         cpu_quant_gemm.GemmOptions(
+            compiler=found[settings.CC], cache_root=found[settings.XDG_CACHE_HOME]
+        )
+    )
+    cpu_amx_gemm.configure(
+        cpu_amx_gemm.AmxGemmOptions(
             compiler=found[settings.CC], cache_root=found[settings.XDG_CACHE_HOME]
         )
     )

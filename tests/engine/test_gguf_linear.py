@@ -10,7 +10,7 @@ import engine.loader as loader
 from engine.gguf_linear import GEMV_MAX_ROWS, GGUFBlocks, GGUFLinear, concat_blocks
 from engine.quant import DenseLinear
 from engine.weights import resolve_model
-from kernels import cpu_quant_gemm, cpu_quant_gemv
+from kernels import cpu_amx_gemm, cpu_quant_gemm, cpu_quant_gemv
 
 pytestmark = pytest.mark.skipif(
     not cpu_quant_gemv.available(), reason="no C compiler to build the quantized GEMV"
@@ -78,6 +78,29 @@ def test_the_invariant_linear_takes_the_block_gemv_at_every_row_count(gguf_model
         assert torch.equal(linear(x[:rows]), alone[:rows]), rows
     assert torch.equal(linear(x[7:40]), alone[7:40])
     torch.testing.assert_close(alone, x @ weights[key].t(), atol=1e-4, rtol=1e-5)
+
+
+def test_prefill_rows_take_the_amx_gemm_where_it_runs(gguf_model):
+    """With amx, Q4_1 steps above GEMV_MAX_ROWS go through the AMX GEMM (where AMX works here),
+    the fp32 matmul up to summation order; decode rows keep the GEMV; the Q8_0 head and the
+    invariant mode never pack for it."""
+    _, weights, blocks = gguf_model
+    key = "model.layers.3.mlp.gate_proj.weight"
+    dense = DenseLinear(weights[key])
+    linear = GGUFLinear(blocks[key], dense, amx=True)
+    assert (linear.amx is not None) == cpu_amx_gemm.available()
+    x = torch.randn(100, weights[key].shape[1])
+    got = linear(x)
+    want = x.double() @ weights[key].double().t()
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    if linear.amx is not None:
+        assert torch.equal(got, cpu_amx_gemm.amx_gemm(x, linear.amx))
+    assert torch.equal(linear(x[:GEMV_MAX_ROWS]), GGUFLinear(blocks[key], dense)(x[:GEMV_MAX_ROWS]))
+    embed = "model.embed_tokens.weight"
+    head = GGUFLinear(blocks[embed], DenseLinear(weights[embed]), amx=True)
+    assert head.amx is None  # Q8_0: the FMA GEMM
+    assert GGUFLinear(blocks[key], dense, amx=True, invariant=True).amx is None
+    assert GGUFLinear(blocks[key], dense).amx is None  # off unless asked
 
 
 def test_concat_blocks_is_row_concatenation_of_one_kind(gguf_model):

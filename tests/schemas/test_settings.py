@@ -127,6 +127,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_QUANTIZED_GEMV": True,
         "BRIGADE_FUSED_DECODE": True,
         "BRIGADE_SCREENED_HEAD": True,
+        "BRIGADE_AMX_PREFILL": True,
         "BRIGADE_STREAM_MAX_COALESCE": 1,
         "BRIGADE_STREAM_FLUSH": "step",
         "BRIGADE_STREAM_LAG_POLL_S": 0.1,
@@ -185,6 +186,7 @@ def test_the_defaults_agree_with_the_configs_they_fill():
     assert engine.quantized_gemv == settings.QUANTIZED_GEMV.default
     assert engine.fused_decode == settings.FUSED_DECODE.default
     assert engine.screened_head == settings.SCREENED_HEAD.default
+    assert engine.amx_prefill == settings.AMX_PREFILL.default
     assert engine.kv_cache_dtype == settings.KV_CACHE_DTYPE.default
     assert DEFAULT_KV_CACHE_BYTES == settings.KV_CACHE_BYTES.default
     from engine.engine import DTYPES, KV_CACHE_DTYPES

@@ -100,6 +100,10 @@ def test_engine_config_from_the_environment(monkeypatch):
     monkeypatch.setenv("BRIGADE_SCREENED_HEAD", "0")
     assert engine_config_from_env().screened_head is False
     monkeypatch.delenv("BRIGADE_SCREENED_HEAD")
+    assert engine_config_from_env().amx_prefill is True
+    monkeypatch.setenv("BRIGADE_AMX_PREFILL", "0")
+    assert engine_config_from_env().amx_prefill is False
+    monkeypatch.delenv("BRIGADE_AMX_PREFILL")
     assert engine_config_from_env().kv_cache_dtype == "auto"
     monkeypatch.setenv("BRIGADE_KV_CACHE_DTYPE", "float16")
     assert engine_config_from_env().kv_cache_dtype == "float16"
