@@ -2,7 +2,8 @@
 
 Teacher-forced over a public-domain corpus (tools/bench/quality_data/) against the plain fp32
 reference (quality_reference.py): mean KL(reference || config), top-1 agreement and perplexity,
-on the prefill path (512-token chunks, one sequence at a time) and on the decode path, twice:
+on the prefill path (the corpus in segments of 512 tokens, each prefilled in one 512-row step,
+so the GEMMs of a prompt's prefill run, AMX's where it works) and on the decode path, twice:
 the corpus's 32 segments 8 streams at a time, one token each per step (the row count at which
 the "-decode" kinds run their GEMVs; with speculation, 2 streams verifying 1 + k tokens each), and
 all 32 at once (the fused decode forward's most rows, which at AVX-512 take the rows as vector
@@ -57,6 +58,7 @@ class QualityConfig:
     quantized_gemv: bool = True  # fp32 GGUF decode on the Q4_1 / Q8_0 blocks (gguf_linear.py)
     fused_decode: bool = True  # and its steps of <= 32 tokens in one C call (cpu_decode.py)
     kv_cache_dtype: str = "auto"  # the model's dtype, or float16 under float32
+    amx_prefill: bool = True  # steps past 32 rows on AMX tiles, where AMX runs (cpu_amx_gemm.py)
     engine_kwargs: dict = field(default_factory=dict)
 
     @property
@@ -70,15 +72,20 @@ class QualityConfig:
             "quantized_gemv": self.quantized_gemv,
             "fused_decode": self.fused_decode,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "amx_prefill": self.amx_prefill,
         }
 
 
 def all_configs() -> list[QualityConfig]:
     """The default first, then every dtype x weight kind, batch-invariant, speculation, prefix."""
+    from kernels import cpu_amx_gemm
+
     default = _default_fields()
     label = f"{default['dtype']} {default['quantization'] or 'dense'}"
+    amx = cpu_amx_gemm.available() and default["amx_prefill"]
     if default["quantized_gemv"] and default["dtype"] == "float32" and not default["quantization"]:
         label += " + GGUF blocks: GEMV up to 32 rows, GEMM above"
+        label += " (AMX, exact bf16 pieces)" if amx else ""
         if default["fused_decode"]:
             label += "; steps up to 32 tokens fused"
     if default["kv_cache_dtype"] != "auto":
@@ -86,6 +93,9 @@ def all_configs() -> list[QualityConfig]:
     rows = [QualityConfig(f"default ({label})", **default)]
     rows.append(QualityConfig("float32 GGUF blocks, layer by layer (fused decode off)",
                               **{**default, "fused_decode": False}))  # fmt: skip
+    if amx:  # where AMX runs, the GEMM it replaces is a row of its own
+        rows.append(QualityConfig("float32 GGUF blocks, AVX-512 GEMM above 32 rows (AMX off)",
+                                  **{**default, "amx_prefill": False}))  # fmt: skip
     for kv in ("auto", "float16"):
         if kv != default["kv_cache_dtype"]:
             name = f"float32 GGUF blocks, {'fp32' if kv == 'auto' else kv} KV cache"
@@ -143,6 +153,7 @@ def _default_fields() -> dict:
         "quantized_gemv": c.quantized_gemv,
         "fused_decode": c.fused_decode,
         "kv_cache_dtype": c.kv_cache_dtype,
+        "amx_prefill": c.amx_prefill,
     }
 
 
@@ -186,18 +197,27 @@ def load_prompts(limit: int | None = None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
-def teacher_forced(model, ref, segments, *, spec_tokens: int, kv_dtype=None) -> dict:
+def teacher_forced(
+    model, ref, segments, *, spec_tokens: int, kv_dtype=None, prefill_on=None
+) -> dict:
     """Every path of one model against the reference: prefill, decode at DECODE_STREAMS rows and
     at WIDE_STREAMS; with `spec_tokens` the decode paths are the verification of accepted drafts
-    (streams x (1 + k) rows within 8 and 32); the KV cache in `kv_dtype` (None: the model's)."""
+    (streams x (1 + k) rows within 8 and 32); the KV cache in `kv_dtype` (None: the model's).
+    `prefill_on`: (reference, segments) of the prefill path, segments of PREFILL_CHUNK tokens
+    (None: `ref` and `segments`, as short as the decode paths need them)."""
     from tools.bench.quality_forced import forced_logits, score
 
+    prefill_ref, prefill_segments = prefill_on or (ref, segments)
     prefill = score(
-        ref,
-        segments,
+        prefill_ref,
+        prefill_segments,
         forced_logits(
-            model, segments, num_streams=1, tokens_per_step=PREFILL_CHUNK, kv_dtype=kv_dtype
-        ),
+            model,
+            prefill_segments,
+            num_streams=1,
+            tokens_per_step=PREFILL_CHUNK,
+            kv_dtype=kv_dtype,
+        ),  # fmt: skip
     )
     res = {"prefill": prefill}
     for path, rows in (("decode", DECODE_STREAMS), ("decode_wide", WIDE_STREAMS)):
@@ -338,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
     # 32 equal segments: the decode paths run them 8 and 32 streams side by side
     segment_len = -(-len(corpus) // WIDE_STREAMS)
     segments = split_segments(corpus, segment_len, None)
+    prefill_segments = split_segments(corpus, PREFILL_CHUNK, None)  # whole prompts' steps
     prompts = load_prompts(QUICK_PROMPTS if args.quick else None)
     max_tokens = args.max_tokens or (24 if args.quick else 64)
     prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
@@ -354,6 +375,8 @@ def run(args: argparse.Namespace) -> int:
     ref = Reference(segments, model_config.vocab_size)
     ref_model = ReferenceLlama(model_config, weights)
     ref.fill(ref_model, segments)
+    prefill_ref = Reference(prefill_segments, model_config.vocab_size)
+    prefill_ref.fill(ref_model, prefill_segments)
     del weights
     engine_common = {"model": args.model, "max_num_seqs": CHAT_STREAMS}
     fp32_engine = Engine(
@@ -371,7 +394,12 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "threads": torch.get_num_threads(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "corpus": {"file": CORPUS.name, "tokens": len(corpus), "segments": len(segments)},
+        "corpus": {
+            "file": CORPUS.name,
+            "tokens": len(corpus),
+            "segments": len(segments),
+            "prefill_segments": len(prefill_segments),
+        },
         "prompts": len(prompts),
         "max_tokens": max_tokens,
         "targets": {"top1": TARGET_TOP1, "mean_kl": TARGET_KL},
@@ -393,10 +421,16 @@ def run(args: argparse.Namespace) -> int:
                 batch_invariant=c.batch_invariant,
                 quantized_gemv=c.quantized_gemv,
                 fused_decode=c.fused_decode,
+                amx_prefill=c.amx_prefill,
             )
             kv = None if c.kv_cache_dtype == "auto" else DTYPES[c.kv_cache_dtype]
             row["teacher_forced"] = teacher_forced(
-                model, ref, segments, spec_tokens=c.num_speculative_tokens, kv_dtype=kv
+                model,
+                ref,
+                segments,
+                spec_tokens=c.num_speculative_tokens,
+                kv_dtype=kv,
+                prefill_on=(prefill_ref, prefill_segments),
             )
             del model
         engine = Engine(EngineConfig(**engine_common, **c.engine_fields))
@@ -406,6 +440,7 @@ def run(args: argparse.Namespace) -> int:
         row["meets_targets"] = meets_targets(row["teacher_forced"])
         res["rows"].append(row)
     ref.close()
+    prefill_ref.close()
     res["llama_cpp"] = None
     llama_dir = args.llama_cpp_dir or settings.LLAMA_CPP_DIR.get()
     if model_format(path) == "gguf" and not args.no_llama_cpp:
@@ -437,7 +472,9 @@ def markdown(res: dict) -> str:
     tgt = res["targets"]
     lines = [
         f"Quality set: {res['model']}, teacher-forced over {res['corpus']['tokens']} tokens of "
-        f"{res['corpus']['file']} ({res['corpus']['segments']} segments) against the plain fp32 "
+        f"{res['corpus']['file']} ({res['corpus']['segments']} segments for decode, "
+        f"{res['corpus'].get('prefill_segments', res['corpus']['segments'])} of "
+        f"{PREFILL_CHUNK} tokens for prefill) against the plain fp32 "
         f"reference; {res['prompts']} chat prompts, greedy, {res['max_tokens']} tokens, against "
         f"the fp32 engine. Targets: top-1 >= {100 * tgt['top1']:.0f} % and mean KL <= "
         f"{tgt['mean_kl']} on every path. {res['threads']} threads; {res['wall_s']} s",
@@ -472,11 +509,14 @@ def markdown(res: dict) -> str:
             + f" | {chat['identical']}/{chat['num_prompts']} | {'—' if med is None else med} | "
             f"{_margin(chat)} | {met} |"
         )
-    ref_ppl = next(
-        (r["teacher_forced"]["prefill"]["ref_ppl"] for r in res["rows"] if r["teacher_forced"]),
-        None,
-    )
-    lines += ["", f"fp32 reference perplexity: {ref_ppl:.3f}" if ref_ppl else ""]
+    forced = next((r["teacher_forced"] for r in res["rows"] if r["teacher_forced"]), None)
+    if forced:  # each path's segments are its own contexts, so each has its perplexity
+        lines += [
+            "",
+            f"fp32 reference perplexity: prefill {forced['prefill']['ref_ppl']:.3f} "
+            f"({PREFILL_CHUNK}-token segments), decode {forced['decode']['ref_ppl']:.3f} "
+            f"({res['corpus']['segments']} segments)",
+        ]
     lc = res.get("llama_cpp")
     if lc is None:
         why = res.get("llama_cpp_skipped") or "not asked (--no-llama-cpp) or not a GGUF model"
