@@ -42,7 +42,13 @@ AMX_OPTIONS = (
     ("GGML_AMX_BF16", ("amx_tile", "amx_bf16")),
 )
 # Linux hands out AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA);
-# ggml asks the same way. Exit 0: the tiles loaded and were used.
+# ggml asks the same way. Exit 0: the tiles loaded and were used. The probe configures its tile
+# as ggml's ggml_tile_config_init does (plain stores, then _tile_loadconfig), on purpose: GCC
+# 12's _tile_loadconfig tells the compiler it reads 8 bytes of the configuration, so the stores
+# of rows and columns can be dropped as dead and tilezero traps on an unconfigured tile. Where
+# that happens ggml's AMX kernels trap the same way (llama-bench: SIGILL at tilezero in
+# tinygemm_kernel_amx, on an Intel Xeon whose AMX runs code that configures its tiles soundly),
+# so a build with AMX would not run. Brigade's own AMX use does not depend on this probe.
 AMX_PROBE = r"""
 #include <immintrin.h>
 #include <string.h>
