@@ -98,6 +98,36 @@ int amx_ready(void) {
     return 1;
 }
 
+/* The tiles' peak: `iters` rounds of four independent TDPBF16PS on each of `threads` threads,
+ * operands in registers -> the bf16 flops done (2 x 16 x 16 x 32 an instruction). */
+double amx_tile_flops(int64_t iters, int threads) {
+    if (threads < 1) threads = 1;
+#ifndef _OPENMP
+    threads = 1;
+#endif
+#pragma omp parallel num_threads(threads)
+    {
+        static __thread uint16_t zeros[16 * 32] __attribute__((aligned(64)));
+        configure_tiles();
+        _tile_loadd(4, zeros, 64);
+        _tile_loadd(5, zeros, 64);
+        _tile_loadd(6, zeros, 64);
+        _tile_loadd(7, zeros, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t i = 0; i < iters; ++i) {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_release();
+    }
+    return (double)threads * (double)iters * 4.0 * 2.0 * 16 * 16 * 32;
+}
+
 /* The pieces are cut by truncation: a value's top 8 significant bits (its fp32 bits with the
  * low 16 cleared, a bf16 exactly), then what is left, exact in fp32, cut the same way. */
 #define HIGH_BITS 0xffff0000u
@@ -328,6 +358,11 @@ int amx_gemm_q4_1(const uint8_t *nib, const float *dv, const float *mv, int64_t 
 }
 #else
 int amx_ready(void) { return 0; }
+
+double amx_tile_flops(int64_t iters, int threads) {
+    (void)iters, (void)threads;
+    return 0.0;
+}
 
 int amx_gemm_q4_1(const uint8_t *nib, const float *dv, const float *mv, int64_t out_features,
                   int64_t in_features, const float *x, int64_t x_stride, int64_t rows, float *y,

@@ -12,6 +12,7 @@ and not enable it; then this kernel is never called and cpu_quant_gemm runs inst
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -25,6 +26,7 @@ from kernels.cpu_quant_gemv import BLOCK_BYTES, Q4_1_CODES, check_blocks
 
 SOURCE = Path(__file__).with_name("cpu_amx_gemm.c")
 PANEL = 16  # output features a tile's columns hold; panels go in pairs
+PIECE_PRODUCTS = 5  # bf16 tile products an fp32 multiply-add costs (cpu_amx_gemm.c)
 FLAG_SETS = (("-O2", "-fopenmp"), ("-O2",))
 LEVELS = IsaLevels(
     compiler_flags={
@@ -59,6 +61,8 @@ class AmxGemmOptions(cbuild.KernelOptions):
 
 def _bind(lib: ctypes.CDLL) -> None:
     lib.amx_ready.argtypes, lib.amx_ready.restype = [], ctypes.c_int
+    lib.amx_tile_flops.argtypes = [ctypes.c_int64, ctypes.c_int32]
+    lib.amx_tile_flops.restype = ctypes.c_double
     fn = lib.amx_gemm_q4_1
     fn.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32]
     fn.restype = ctypes.c_int
@@ -94,6 +98,29 @@ def _ready() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the AMX GEMM runs here: built with AMX, tile state granted, one product right."""
     return _ready() is not None
+
+
+def tile_peak(threads: int, seconds: float = 0.2, repetitions: int = 5) -> float | None:
+    """bf16 flops a second AMX's tiles issue on `threads` threads (TDPBF16PS on registers): the
+    best of `repetitions` runs of about `seconds`; None where the AMX GEMM does not run."""
+    lib = _ready()
+    if lib is None:
+        return None
+    iters = 1 << 12
+    while True:  # grow the run until it takes a quarter of `seconds`
+        t0 = time.perf_counter()
+        lib.amx_tile_flops(iters, threads)
+        took = time.perf_counter() - t0
+        if took >= seconds / 4:
+            break
+        iters *= 4
+    iters = int(iters * seconds / took)
+    best = 0.0
+    for _ in range(repetitions):
+        t0 = time.perf_counter()
+        flops = lib.amx_tile_flops(iters, threads)
+        best = max(best, flops / (time.perf_counter() - t0))
+    return best
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ that bandwidth (a sum over a buffer far larger than the caches, on the same thre
 whether the single-stream target sits above the ceiling. And the ceiling over prefill in fp32:
 a prompt token costs 2 flops a weight of the layers' projections, so no fp32 engine prefills
 faster than the CPU's FMA peak (kernels/cpu_fma_peak.py) over them; the bench says whether the
-prefill target sits above it.
+prefill target sits above it. Where the engine's prefill GEMMs run on AMX tiles
+(kernels/cpu_amx_gemm.py), the FMA peak does not bound them: the tiles' own peak over the five
+bf16 products an fp32 term costs there is that path's ceiling, reported beside it.
 Writes peer.md and peer.json.
 """
 
@@ -90,10 +92,13 @@ def floor_row(weights: int, bandwidth: float, llama: dict[str, float] | None) ->
     }
 
 
-def prefill_ceiling_row(config, flops_s: float, llama: dict[str, float] | None) -> dict:
+def prefill_ceiling_row(
+    config, flops_s: float, llama: dict[str, float] | None, amx_flops_s: float | None = None
+) -> dict:
     """The fp32 prefill ceiling: the layers' projections alone at the FMA units' peak `flops_s`
     (kernels/cpu_fma_peak.py), against the prefill target (5x llama.cpp's pp512). Attention,
-    dequantizing the weights and the rest only lower it."""
+    dequantizing the weights and the rest only lower it. `amx_flops_s`: the tiles' bf16 peak,
+    where the prefill GEMMs run on them (PIECE_PRODUCTS bf16 products an fp32 term)."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
@@ -101,13 +106,21 @@ def prefill_ceiling_row(config, flops_s: float, llama: dict[str, float] | None) 
     flops_per_token = 2 * per_layer * c.num_layers
     ceiling = flops_s / flops_per_token
     target = None if llama is None or not llama.get("pp512") else 5.0 * llama["pp512"]
-    return {
+    row = {
         "gflop_per_token": round(flops_per_token / 1e9, 4),
         "fma_peak_gflop_s": round(flops_s / 1e9, 1),
         "ceiling_tok_s": round(ceiling, 1),
         "target_tok_s": None if target is None else round(target, 1),
         "target_above_ceiling": None if target is None else target > ceiling,
     }
+    if amx_flops_s:
+        from kernels.cpu_amx_gemm import PIECE_PRODUCTS
+
+        amx = amx_flops_s / PIECE_PRODUCTS / flops_per_token
+        row["amx_peak_gflop_s"] = round(amx_flops_s / 1e9, 1)
+        row["amx_ceiling_tok_s"] = round(amx, 1)
+        row["target_above_amx_ceiling"] = None if target is None else target > amx
+    return row
 
 
 def register(subparsers) -> None:
@@ -355,6 +368,17 @@ def markdown(res: dict) -> str:
                 f" The target (5x llama.cpp's pp512, whose int8 dot products do 4x the work per "
                 f"instruction) is {pre['target_tok_s']:,.1f} tok/s: {where} that ceiling."
             )
+        if pre.get("amx_ceiling_tok_s"):
+            lines[-1] += (
+                f" Brigade's prefill GEMMs run on AMX tiles here, five bf16 products an fp32 "
+                f"term, which the FMA ceiling does not bound: the tiles issue at most "
+                f"{pre['amx_peak_gflop_s']:,} bf16 GFLOP/s, so that path prefills at most "
+                f"{pre['amx_ceiling_tok_s']:,.1f} tok/s"
+            )
+            if pre["target_above_amx_ceiling"] is not None:
+                where = "above" if pre["target_above_amx_ceiling"] else "below"
+                lines[-1] += f", the target {where} it"
+            lines[-1] += "."
     if load[0] > threads:
         busy = "The machine was busy (load average above the threads): a smoke run, not figures"
         lines += ["", f"{busy} to quote."]
@@ -403,12 +427,13 @@ def run(args: argparse.Namespace) -> int:
         res["llama_cpp_skipped"] = str(err)
         print(f"brigade bench peer: {skip_message(str(err))}", flush=True)
     torch.set_num_threads(args.threads)
-    from kernels import cpu_fma_peak  # here: kernels import torch, `brigade --help` does not
+    from kernels import cpu_amx_gemm, cpu_fma_peak  # here: kernels import torch, --help not
 
     # the machine's own limits first, in a process nothing has run in yet: measured after the
     # rounds, beside the engine's idle OpenMP pool, the FMA peak came out at 102.6 GFLOP/s where a
     # fresh process measured 182-189 on the same CPU
     bandwidth, peak = read_bandwidth(args.threads), cpu_fma_peak.fma_peak(args.threads)
+    amx_peak = cpu_amx_gemm.tile_peak(args.threads)
     quantization = None if args.quantization == "none" else args.quantization
     dtype = {"dtype": args.dtype} if args.dtype else {}  # else EngineConfig's defaults
     if args.kv_cache_dtype:
@@ -417,8 +442,12 @@ def run(args: argparse.Namespace) -> int:
     res["dtype"] = engine.config.dtype
     res["kv_cache_dtype"] = engine.config.kv_dtype
     res["quantization"] = getattr(engine.model, "quantization", None)
+    uses_amx = any(getattr(m, "amx", None) is not None for m in engine.model.modules())
+    amx_peak = amx_peak if uses_amx else None  # the tiles bound prefill only where it uses them
     if any(isinstance(m, GGUFLinear) for m in engine.model.modules()):
         res["quantization"] = "GGUF blocks: GEMV up to 32 rows, GEMM above"
+        if uses_amx:
+            res["quantization"] += " (on AMX tiles)"
         if getattr(engine.model, "fused", None) is not None:
             res["quantization"] += "; steps up to 32 tokens fused"
     brigade: list[dict[str, float]] = []
@@ -441,6 +470,6 @@ def run(args: argparse.Namespace) -> int:
     llama_row = None if llama is None else {m["metric"]: m["llama_cpp"] for m in res["rows"]}
     res["floor"] = floor_row(weight_bytes(gguf), bandwidth, llama_row)
     if peak is not None:
-        res["prefill_ceiling"] = prefill_ceiling_row(engine.model_config, peak, llama_row)
+        res["prefill_ceiling"] = prefill_ceiling_row(engine.model_config, peak, llama_row, amx_peak)
     write_results(args.out, "peer", res, markdown(res))
     return 0

@@ -304,6 +304,28 @@ def test_the_prefill_ceiling_is_the_projections_flops_over_the_fma_peak():
     )  # fmt: skip
     assert f"no fp32 engine prefills faster than {row['ceiling_tok_s']:,.1f} tok/s" in text
     assert "2,000.0 tok/s: above that ceiling" in text
+    assert "AMX" not in text  # an engine that does not use the tiles: no second ceiling
+    # where prefill runs on AMX tiles: their peak over five bf16 products a term
+    amx = peer.prefill_ceiling_row(config, 100e9, {"pp512": 400.0}, amx_flops_s=4000e9)
+    assert amx["amx_ceiling_tok_s"] == round(4000e9 / 5 / per_token, 1)
+    assert amx["target_above_amx_ceiling"] is False  # 2,000 tok/s under 4,000e9 / 5 / 0.212e9
+    text = peer.markdown(
+        {"threads": 2, "load_average_at_start": [0.1, 0.1, 0.1], "quick": True, "gguf": "m.gguf",
+         "rows": [], "llama_cpp_skipped": None, "llama_cpp_build_flags": [],
+         "prefill_ceiling": amx}
+    )  # fmt: skip
+    assert f"so that path prefills at most {amx['amx_ceiling_tok_s']:,.1f} tok/s" in text
+    assert "the target below it" in text
+
+
+def test_the_tiles_peak_is_measured_where_amx_runs():
+    from kernels import cpu_amx_gemm
+
+    peak = cpu_amx_gemm.tile_peak(threads=1, seconds=0.05)
+    if not cpu_amx_gemm.available():
+        assert peak is None
+    else:  # bf16 tile flops: more than the fp32 FMA units' 1-1,000 GFLOP/s a core
+        assert 50e9 < peak < 1e14
 
 
 def test_rounds_give_median_figures_and_the_median_of_each_rounds_ratio():
