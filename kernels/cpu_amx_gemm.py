@@ -5,7 +5,8 @@ every factor split exactly into bf16 pieces (x into three, d * q and m into two)
 products summed in fp32, so the result is the fp32 matmul's up to summation order, as
 cpu_quant_gemm's is. Used only where it works: the CPU lists AMX (tile, bf16) and AVX-512 BF16,
 the kernel builds with them, Linux grants the tile state (arch_prctl) and one tile product on
-this CPU gives the right sums; `available()` says whether all of that held. A VM may list AMX
+this CPU gives the right sums, first in a forked child (a trap kills the child, not the engine);
+`available()` says whether all of that held. A VM may list AMX
 and not enable it; then this kernel is never called and cpu_quant_gemm runs instead.
 """
 

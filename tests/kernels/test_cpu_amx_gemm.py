@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import cbuild
 from kernels import cpu_amx_gemm as ag
 from kernels import cpu_quant_gemv as qv
 from kernels.cpu_amx_gemm import AmxGemmOptions
@@ -126,3 +127,17 @@ def test_a_build_without_amx_is_never_used():
         ag.configure(AmxGemmOptions())
     with pytest.raises(ValueError, match="not one of amx, none"):
         AmxGemmOptions(isa="avx2")
+
+
+@needs_amx
+def test_a_tile_product_that_traps_kills_only_the_probes_child(tmp_path):
+    """amx_ready() runs its first tile product in a forked child: where it traps (SIGILL, here a
+    build whose probe traps on purpose), the answer is 0 and this process goes on."""
+    errors: list[str] = []
+    flags = ("-O2", "-DBRIGADE_TRAP_IN_PROBE", *ag.LEVELS.compiler_flags["amx"])
+    cc = ag._KERNEL.compiler()
+    assert cc is not None
+    lib = cbuild.build_library(ag.SOURCE, cc, flags, tmp_path, errors)
+    assert lib is not None, errors
+    ag._bind(lib)
+    assert lib.amx_ready() == 0
