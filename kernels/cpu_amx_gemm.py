@@ -13,7 +13,6 @@ and not enable it; then this kernel is never called and cpu_quant_gemm runs inst
 from __future__ import annotations
 
 import ctypes
-import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch import Tensor
 
 from kernels import cbuild
 from kernels.cbuild import IsaLevels
+from kernels.cpu_fma_peak import best_rate
 from kernels.cpu_quant_gemv import BLOCK_BYTES, Q4_1_CODES, check_blocks
 
 SOURCE = Path(__file__).with_name("cpu_amx_gemm.c")
@@ -107,21 +107,9 @@ def tile_peak(threads: int, seconds: float = 0.2, repetitions: int = 5) -> float
     lib = _ready()
     if lib is None:
         return None
-    iters = 1 << 12
-    while True:  # grow the run until it takes a quarter of `seconds`
-        t0 = time.perf_counter()
-        lib.amx_tile_flops(iters, threads)
-        took = time.perf_counter() - t0
-        if took >= seconds / 4:
-            break
-        iters *= 4
-    iters = int(iters * seconds / took)
-    best = 0.0
-    for _ in range(repetitions):
-        t0 = time.perf_counter()
-        flops = lib.amx_tile_flops(iters, threads)
-        best = max(best, flops / (time.perf_counter() - t0))
-    return best
+    return best_rate(
+        lambda iters: lib.amx_tile_flops(iters, threads), 1 << 12, seconds, repetitions
+    )
 
 
 @dataclass(frozen=True)

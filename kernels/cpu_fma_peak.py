@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kernels import cbuild, cpu_quant_gemv
@@ -38,10 +39,18 @@ def fma_peak(threads: int, seconds: float = 0.2, repetitions: int = 5) -> float 
     if lib is None:
         return None
     sink = (ctypes.c_float * 1)()
-    iters = 1 << 16
-    while True:  # grow the run until it takes a quarter of `seconds`
+    return best_rate(
+        lambda iters: lib.fma_flops(iters, threads, sink), 1 << 16, seconds, repetitions
+    )
+
+
+def best_rate(work: Callable[[int], float], iters: int, seconds: float, repetitions: int) -> float:
+    """The most work a second `work(iters)` (which returns the work it did) reaches: its run grown
+    from `iters` until it takes a quarter of `seconds`, scaled to about `seconds`, then the best
+    of `repetitions` runs."""
+    while True:
         t0 = time.perf_counter()
-        lib.fma_flops(iters, threads, sink)
+        work(iters)
         took = time.perf_counter() - t0
         if took >= seconds / 4:
             break
@@ -50,6 +59,6 @@ def fma_peak(threads: int, seconds: float = 0.2, repetitions: int = 5) -> float 
     best = 0.0
     for _ in range(repetitions):
         t0 = time.perf_counter()
-        flops = lib.fma_flops(iters, threads, sink)
-        best = max(best, flops / (time.perf_counter() - t0))
+        done = work(iters)
+        best = max(best, done / (time.perf_counter() - t0))
     return best
