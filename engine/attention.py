@@ -62,6 +62,7 @@ def prepare_attention(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     per_token: bool = False,
+    causal_kernel: bool = False,
 ) -> AttentionPlan:
     """dtype: the model's; in bf16 on the CPU every token goes to the compiled kernel when it
     builds, prefill tokens included, each as one query over the cached keys up to its own
@@ -70,7 +71,9 @@ def prepare_attention(
     reading the blocks in place it beats gathering them for SDPA (prefill 1.1-1.3x at 128-2048
     tokens). fp32 keeps torch's SDPA, the kernel transformers runs, for exact parity with it,
     unless `per_token` (the batch-invariant mode): SDPA's sums change with how a step batches
-    and pads its sequences, the compiled kernel's do not."""
+    and pads its sequences, the compiled kernel's do not. `causal_kernel`: fp32 chunks with
+    nothing cached before them attend through the compiled causal kernel, not SDPA (the model
+    on GGUF blocks, whose sums already differ from transformers' in order)."""
     block_tables = attn.block_tables.to(device, non_blocking=True)
     slots = attn.slot_mapping.to(device, torch.int64, non_blocking=True)
     if device.type == "cuda":
@@ -85,7 +88,9 @@ def prepare_attention(
             token_ctx_len=ctx_len,
             token_rows=torch.arange(len(seq_idx), dtype=torch.int32),
         )
-    sdpa = build_sdpa_plan(block_tables, attn.query_lens_cpu, attn.seq_lens_cpu, attn.block_size)
+    sdpa = build_sdpa_plan(
+        block_tables, attn.query_lens_cpu, attn.seq_lens_cpu, attn.block_size, causal_kernel
+    )
     return AttentionPlan(block_tables, slots, sdpa=sdpa)
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import cpu_causal_attention
+
 
 @dataclass
 class _PrefillSeq:
@@ -42,6 +44,9 @@ class SdpaPlan:
 
     decodes: list[_DecodeGroup]  # single-token sequences, batched by similar length
     prefills: list[_PrefillSeq]  # the others, one by one
+    # fp32 chunks with nothing cached before them through the compiled causal kernel
+    # (kernels/cpu_causal_attention.py) instead of SDPA
+    causal_kernel: bool = False
 
 
 MAX_DECODE_GROUPS = 4
@@ -52,6 +57,7 @@ def build_sdpa_plan(
     query_lens: list[int],
     seq_lens: list[int],
     block_size: int,
+    causal_kernel: bool = False,
 ) -> SdpaPlan:
     """Decodes (one new token over a cached context) in at most MAX_DECODE_GROUPS padded
     batches, longest first; every other sequence (a prompt or a chunk of one) on its own."""
@@ -82,7 +88,7 @@ def build_sdpa_plan(
         mask = mask[:, None, None, :]
         bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
         plans.append(_DecodeGroup(rows, tables[seqs, :nb], mask, bias))
-    return SdpaPlan(plans, prefills)
+    return SdpaPlan(plans, prefills, causal_kernel)
 
 
 def _group_by_length(decodes: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
@@ -166,6 +172,10 @@ def paged_attention_sdpa(
     if out is None:
         out = torch.empty_like(q)
     for p in plan.prefills:
+        if p.blocks is None and plan.causal_kernel and q.dtype == torch.float32:
+            rows = slice(p.start, p.end)
+            out[rows] = cpu_causal_attention.causal_attention(q[rows], k[rows], v[rows], scale)
+            continue
         qp = q[p.start : p.end].transpose(0, 1)  # [H, ql, D]
         if p.blocks is None:
             kp, vp = k[p.start : p.end].transpose(0, 1), v[p.start : p.end].transpose(0, 1)

@@ -427,7 +427,8 @@ AMX_PREFILL = declare(Setting[bool](
 ))  # fmt: skip
 CPU_KERNEL = declare(Setting[bool](
     name="BRIGADE_CPU_KERNEL", kind="bool", default=True,
-    help="the compiled CPU paged-attention kernel; 0: the pure-torch reference",
+    help="the compiled CPU attention kernels (paged attention; fp32 causal prefill chunks on "
+    "GGUF blocks); 0: the pure-torch reference and torch's SDPA",
     readers=("engine", "bench"),
 ))  # fmt: skip
 CC = declare(Setting[str | None](

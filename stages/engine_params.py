@@ -181,6 +181,7 @@ def configure_kernels(found: settings.Settings | None = None) -> None:
     from kernels import (
         cpu_amx_gemm,
         cpu_attention,
+        cpu_causal_attention,
         cpu_decode,
         cpu_greedy_head,
         cpu_quant_gemm,
@@ -190,6 +191,13 @@ def configure_kernels(found: settings.Settings | None = None) -> None:
     found = found or settings.load()
     cpu_attention.configure(
         cpu_attention.KernelOptions(
+            enabled=found[settings.CPU_KERNEL],
+            compiler=found[settings.CC],
+            cache_root=found[settings.XDG_CACHE_HOME],
+        )
+    )
+    cpu_causal_attention.configure(
+        cpu_causal_attention.CausalOptions(
             enabled=found[settings.CPU_KERNEL],
             compiler=found[settings.CC],
             cache_root=found[settings.XDG_CACHE_HOME],
