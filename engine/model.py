@@ -82,16 +82,19 @@ class DecoderLayer(nn.Module):
         h = F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps)
         qkv = self.qkv_proj.forward(h)  # [T, (H + 2 KVH) * D]
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, hd)  # [T, H + KVH, D]
-        # RoPE, rotate-half form: x * cos + cat(x2, x1) * [-sin, sin]
-        qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin
+        # RoPE, rotate-half form: x * cos + cat(x2, x1) * [-sin, sin]. The elementwise steps
+        # below write into tensors this layer made (the same operations, so the same bits):
+        # fresh multi-MB temporaries cost a 512-token prefill more than their arithmetic
+        rotated = torch.cat([qk[..., half:], qk[..., :half]], dim=-1).mul_(sin)
+        qk = (qk * cos).add_(rotated)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, D], [T, KVH, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, hd)
         o = paged_attend(q, k, v, kv_cache, plan, self.scale)  # [T, H, D]
-        x = x + self.o_proj.forward(o.reshape(t, self.q_size))
+        x = self.o_proj.forward(o.reshape(t, self.q_size)).add_(x)  # x + o: the same sum
         h = F.rms_norm(x, x.shape[-1:], self.post_attn_norm, self.eps)
         gate_up = self.gate_up_proj.forward(h)  # [T, 2 * ffn]
-        h = F.silu(gate_up[:, : self.ffn_size]) * gate_up[:, self.ffn_size :]
-        return x + self.down_proj.forward(h)
+        h = F.silu(gate_up[:, : self.ffn_size], inplace=True) * gate_up[:, self.ffn_size :]
+        return self.down_proj.forward(h).add_(x)
 
 
 class LlamaForCausalLM(nn.Module):
