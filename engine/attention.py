@@ -3,7 +3,9 @@
 `prepare_attention` turns the metadata into a per-step plan once; every layer then calls
 `paged_attend`: the Triton kernel on CUDA; on the CPU the compiled kernel
 (kernels/cpu_attention.py) for every bf16 token and every token of the fp32 batch-invariant mode,
-torch's SDPA over gathered blocks (kernels/cpu_sdpa_attention.py) for the rest. Which path runs is engine policy, so it is here.
+torch's SDPA over gathered blocks (kernels/cpu_sdpa_attention.py) for the rest, except fp32
+chunks with nothing cached before them when the model asks for the compiled causal kernel
+(kernels/cpu_causal_attention.py). Which path runs is engine policy, so it is here.
 """
 
 from __future__ import annotations

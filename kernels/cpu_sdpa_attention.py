@@ -3,8 +3,10 @@
 A plan, built once per step and shared by every layer, batches the decodes by similar context
 length (padding a short context to a long one costs its keys) and takes each prefill chunk on
 its own, gathering only the blocks it uses. fp32 runs torch's SDPA, the kernel transformers
-runs, so the engine's fp32 logits match it exactly. Checked against the slow reference in
-kernels/paged_attention.py (tests/kernels/test_cpu_sdpa_attention.py).
+runs, so the dense fp32 path's logits match it exactly; a plan with `causal_kernel` (the model
+on GGUF blocks) sends chunks with nothing cached before them to the compiled causal kernel
+instead (kernels/cpu_causal_attention.py, fp32 sums in another order). Checked against the slow
+reference in kernels/paged_attention.py (tests/kernels/test_cpu_sdpa_attention.py).
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ def teacher_forced(
             num_streams=1,
             tokens_per_step=PREFILL_CHUNK,
             kv_dtype=kv_dtype,
-        ),  # fmt: skip
+        ),
     )
     res = {"prefill": prefill}
     for path, rows in (("decode", DECODE_STREAMS), ("decode_wide", WIDE_STREAMS)):
