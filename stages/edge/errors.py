@@ -8,6 +8,7 @@ into one, so every answer is `{"error": {message, type, param, code}}`; 429 and 
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from typing import Any
 
@@ -102,7 +103,9 @@ def error_response(err: RequestError, request_id: str | None = None) -> JSONResp
     if retry_after_s is None and err.status in (429, 503):
         retry_after_s = DEFAULT_RETRY_AFTER_S
     if retry_after_s is not None:
+        # whole seconds, as HTTP has it; and milliseconds, which the openai SDK reads first
         headers["Retry-After"] = str(max(1, round(retry_after_s + 0.499)))
+        headers["Retry-After-Ms"] = str(max(1, math.ceil(retry_after_s * 1000)))
     if request_id is not None:
         headers["X-Request-Id"] = request_id
     return JSONResponse(error_body(err), status_code=err.status, headers=headers)

@@ -109,7 +109,7 @@ class SseTarget:
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.model = model
-        # as the openai SDK does (max_retries): a 503 is waited out for its Retry-After
+        # as the openai SDK does (max_retries): a 503 is waited out for its retry-after-ms
         self.retries_on_503 = retries_on_503
 
     async def __aenter__(self) -> SseTarget:
@@ -144,7 +144,7 @@ class SseTarget:
                     sample.request_id = resp.headers.get("x-request-id")
                     if resp.status_code == 503 and sample.retries < self.retries_on_503:
                         sample.retries += 1
-                        wait = float(resp.headers.get("retry-after") or 1.0)
+                        wait = _retry_after_s(resp.headers)
                         await resp.aread()
                         await anyio.sleep(min(wait, 60.0))
                         continue
@@ -232,6 +232,17 @@ class WsTarget:
             sample.error = f"{type(err).__name__}: {err}"
             return sample
         return _finish(sample, item, sent, time.time_ns(), [deltas[k] for k in sorted(deltas)])
+
+
+def _retry_after_s(headers) -> float:
+    """A refusal's wait as the openai SDK reads it: `retry-after-ms` first, then `retry-after`
+    in seconds, else 1 s."""
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            return float(headers[name]) * scale
+        except (KeyError, TypeError, ValueError):
+            continue
+    return 1.0
 
 
 def _finish(

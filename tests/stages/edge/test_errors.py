@@ -34,10 +34,13 @@ def test_error_body_types():
     assert RequestError("no_such_code", "?").status == 500
 
 
-def test_error_response_rounds_retry_after_up_to_whole_seconds():
-    for retry_after_s, header in ((0.2, "1"), (1.0, "1"), (1.01, "2"), (2.6, "3")):
+def test_error_response_rounds_retry_after_up_to_whole_seconds_and_milliseconds():
+    cases = ((0.2, "1", "200"), (1.0, "1", "1000"), (1.01, "2", "1010"), (2.6, "3", "2600"),
+             (0.0001, "1", "1"), (0.0123, "1", "13"))  # fmt: skip
+    for retry_after_s, seconds, ms in cases:
         response = error_response(RequestError("rate_limited", "wait", retry_after_s=retry_after_s))
-        assert (response.status_code, response.headers["retry-after"]) == (429, header)
+        assert response.status_code == 429
+        assert (response.headers["retry-after"], response.headers["retry-after-ms"]) == (seconds, ms)
     response = error_response(RequestError("headers_too_large", "big", "headers"))
     assert response.status_code == 431 and "retry-after" not in response.headers
     assert json.loads(response.body)["error"]["param"] == "headers"
