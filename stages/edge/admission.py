@@ -5,10 +5,14 @@ Waiting work is the runs this edge submitted that have no first token yet. A new
 to its first token is estimated as the time the runs ahead of it need to start (the longer of
 their prompts at the prefill rate and their number at the start rate: first tokens per second
 of the time runs spent waiting over the last `window_s`, since idle time is the clients' pace,
-not the engine's), plus its own prompt at the prefill rate, plus what first tokens took beyond
-such estimates lately (the hops, the engine's step time), learned one engine step's first
-tokens at a time: the prompts a step prefills start together, so each also waited for those
-admitted after it, which its estimate did not count; that prefill is no overhead.
+not the engine's; times what such queues took lately against that estimate), plus its own
+prompt at the prefill rate, plus what a first token takes beyond its own prefill (the hops, the engine's step
+time). Both are learned one engine step's first tokens at a time: the prompts a step prefills
+start together, so each also waited for those admitted after it, which its estimate did not
+count; that prefill is neither. The overhead is learned only from runs that waited with nothing
+ahead, the queue's factor from the others: a burst's queue that took 3x its estimate says
+nothing about a lone request's wait (learned as overhead, it refused every request that found
+one run ahead of it for many seconds after the burst).
 
 The prefill rate is the engine's own (`compute_tok_s` on its events: what an added token costs
 its step, stages/engine_rate.py); until an engine reports one, the rate of finished runs'
@@ -19,6 +23,12 @@ A request is refused when runs wait and the estimate exceeds `max_wait_s` (batch
 `batch_share` of it, so interactive ones keep headroom), or when the engine reports its KV
 cache above the watermark with requests queued. A lone request is never refused here: whether
 it can ever fit the model's window is the edge's and the context stage's check.
+
+A refusal's retry time is when the work ahead of it will have started, and after the requests
+refused before it, each given its own prompt's prefill time: a refused burst comes back at the
+rate the engine starts prompts, not all at once. With one retry time for all, a burst of 32
+came back together, a few fit and the rest were refused again, round after round (the openai
+SDK retries twice by default, honouring `retry-after-ms`).
 """
 
 from __future__ import annotations
@@ -41,7 +51,10 @@ from schemas.events import (
 from stages.edge.errors import RequestError
 
 RATE_WEIGHT = 0.2  # each finished run's share of the learned prefill rate (an EWMA)
-OVERHEAD_UP, OVERHEAD_DOWN = 0.5, 0.1  # a first token's share of the learned overhead
+# a first token's share of the learned overhead and queue factor: up fast, down slowly (the
+# bound is kept for the slow first tokens, not the mean)
+OVERHEAD_UP, OVERHEAD_DOWN = 0.5, 0.1
+QUEUE_FACTOR_MIN, QUEUE_FACTOR_MAX = 0.5, 4.0
 GROUP_S = 0.01  # first tokens this close after a group's first came from one engine step
 
 
@@ -70,6 +83,8 @@ class Waiting:
     since: float  # monotonic seconds
     estimate_s: float  # its estimated wait when it was admitted
     order: int = 0  # admitted after every run of a lower order
+    queue_model_s: float = 0.0  # its queue's time as estimated at admission, before the factor
+    prefill_s: float = 0.0  # its own prompt at the prefill rate
 
 
 @dataclass(frozen=True)
@@ -79,7 +94,8 @@ class Estimate:
     num_ahead: int
     queue_s: float  # until the runs ahead have started
     prefill_s: float  # its own prompt
-    overhead_s: float = 0.0  # what first tokens took beyond the estimate lately
+    overhead_s: float = 0.0  # what a first token takes beyond its own prefill, lately
+    queue_model_s: float = 0.0  # the queue's time by prefill and start rates, before the factor
 
     @property
     def total_s(self) -> float:
@@ -99,13 +115,15 @@ class AdmissionGate:
         self.num_prefill_samples = 0
         self.engine_tok_s: float | None = None  # the engine's own, from its steps
         self.overhead_s = 0.0
-        # first tokens of one engine step not yet learned from: (admission order, prompt
-        # tokens, seconds beyond the estimate)
-        self._group: list[tuple[int, int, float]] = []
+        self.queue_factor = 1.0  # what queues took lately against their estimate
+        # first tokens of one engine step not yet learned from: (admission order, the run's
+        # wait, seconds waited)
+        self._group: list[tuple[int, Waiting, float]] = []
         self._order = itertools.count()
         self._group_at = 0.0
         self.kv_usage: float | None = None
         self.engine_waiting: int | None = None
+        self._retry_at = 0.0  # the latest retry time given to a refused request
 
     # ---- the estimate ----
 
@@ -145,11 +163,13 @@ class AdmissionGate:
         by_prefill = sum(w.prompt_tokens for w in ahead) / rate
         starts = self.start_rate()
         by_starts = len(ahead) / starts if starts else 0.0
+        queue = max(by_prefill, by_starts)
         return Estimate(
             num_ahead=len(ahead),
-            queue_s=max(by_prefill, by_starts),
+            queue_s=queue * self.queue_factor,
             prefill_s=prefill,
             overhead_s=self.overhead_s,
+            queue_model_s=queue,
         )
 
     # ---- admission ----
@@ -159,14 +179,14 @@ class AdmissionGate:
         bound = c.max_wait_s if priority == "interactive" else c.max_wait_s * c.batch_share
         found = self.estimate(prompt_tokens)
         if found.num_ahead and found.total_s > bound:
-            retry = found.queue_s  # the work ahead drains in this time; then it fits again
+            retry = self._retry_after(found)
             raise RequestError(
                 "overloaded",
                 f"{found.num_ahead} requests wait for a first token (~{found.queue_s:.2f} s to "
                 f"start them) and this one needs ~{found.prefill_s + found.overhead_s:.2f} s "
                 f"more to its first token; the bound "
                 f"for {priority} work is {bound:.2f} s (BRIGADE_EDGE_MAX_WAIT_S); retry after "
-                f"{retry:.1f} s",
+                f"{retry:.2f} s",
                 retry_after_s=retry,
             )
         kv, queued = self.kv_usage, self.engine_waiting
@@ -178,6 +198,16 @@ class AdmissionGate:
                 retry_after_s=max(found.queue_s, 1.0),
             )
         self._wait(request_id, prompt_tokens, found)
+
+    def _retry_after(self, found: Estimate) -> float:
+        """Seconds until a refused request should come back: once the runs ahead have started
+        (alone then, it is admitted whatever its prefill), and not before the requests refused
+        earlier, each of which is given its own prefill's time."""
+        now = self.clock()
+        slot = max(now + found.queue_s, self._retry_at)
+        starts = self.start_rate()  # runs started a second, where slots, not prefill, bound it
+        self._retry_at = slot + max(found.prefill_s, 1.0 / starts if starts else 0.0)
+        return slot - now
 
     def join(self, request_id: str, prompt_tokens: int) -> None:
         """A later run of a request already admitted (a completions request's further prompts,
@@ -191,6 +221,8 @@ class AdmissionGate:
             since=self._tick(),
             estimate_s=found.total_s,
             order=next(self._order),
+            queue_model_s=found.queue_model_s,
+            prefill_s=found.prefill_s,
         )
 
     def release(self, request_id: str) -> None:
@@ -219,11 +251,10 @@ class AdmissionGate:
             self.starts.append((now, self.busy_s))
             self._forget(now)
             waited = self.waiting[event.request_id]
-            beyond = (now - waited.since) - (waited.estimate_s - self.overhead_s)
             self._learn_overhead(now)
             if not self._group:
                 self._group_at = now
-            self._group.append((waited.order, waited.prompt_tokens, beyond))
+            self._group.append((waited.order, waited, now - waited.since))
         if isinstance(event, first | RunFinished | RunCompleted | RunCancelled) or isinstance(
             event, RequestFailed
         ):
@@ -232,19 +263,29 @@ class AdmissionGate:
     def _learn_overhead(self, now: float) -> None:
         """Learn from a group of first tokens once it is over. The prompts one engine step
         prefills start together, so each also waited for those admitted after it, which its
-        estimate did not count (they were behind it): that prefill is not overhead."""
+        estimate did not count (they were behind it): that prefill is taken off its wait. A run
+        that had nothing ahead teaches the overhead; one that had a queue, the queue's factor."""
         if not self._group or now - self._group_at <= GROUP_S:
             return
-        group, self._group = sorted(self._group), []
+        group, self._group = sorted(self._group, key=lambda g: g[0]), []
         later_tokens = 0
-        beyonds = []
-        for _, prompt_tokens, beyond in reversed(group):
-            beyonds.append(beyond - later_tokens / self.prefill_rate)
-            later_tokens += prompt_tokens
-        for beyond in reversed(beyonds):  # in admission order
-            # up fast, down slowly: the bound is kept for the slow first tokens, not the mean
-            weight = OVERHEAD_UP if beyond > self.overhead_s else OVERHEAD_DOWN
-            self.overhead_s = max(0.0, self.overhead_s + weight * (beyond - self.overhead_s))
+        waits = []
+        for _, waited, took in reversed(group):
+            waits.append((waited, took - later_tokens / self.prefill_rate))
+            later_tokens += waited.prompt_tokens
+        excess = queued = 0.0  # the queued runs' time beyond prefill and overhead; their queues
+        for waited, took in reversed(waits):  # in admission order
+            beyond = took - waited.prefill_s  # the queue's time, then the overhead
+            if waited.queue_model_s <= 0.0:
+                weight = OVERHEAD_UP if beyond > self.overhead_s else OVERHEAD_DOWN
+                self.overhead_s = max(0.0, self.overhead_s + weight * (beyond - self.overhead_s))
+            else:
+                excess += max(0.0, beyond - self.overhead_s)
+                queued += waited.queue_model_s
+        if queued > 0.0:  # one sample a step, each queue weighing by its length
+            factor = min(QUEUE_FACTOR_MAX, max(QUEUE_FACTOR_MIN, excess / queued))
+            weight = OVERHEAD_UP if factor > self.queue_factor else OVERHEAD_DOWN
+            self.queue_factor += weight * (factor - self.queue_factor)
 
     def _learn_prefill(self, event: RunFinished) -> None:
         computed = event.usage.prompt_tokens - event.usage.cached_tokens

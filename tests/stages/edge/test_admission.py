@@ -1,6 +1,7 @@
 """Admission by estimated time: the runs waiting for a first token, at the start rate measured
 from first tokens (or their prompts at the prefill rate learned from finished runs), plus the
-new request's own prefill, against BRIGADE_EDGE_MAX_WAIT_S; Retry-After is the queue's time."""
+new request's own prefill, against BRIGADE_EDGE_MAX_WAIT_S; Retry-After is the queue's time, and
+each refusal after it is told to come one prefill (or one start, where starts are slower) later."""
 
 from __future__ import annotations
 
@@ -87,6 +88,43 @@ def test_waiting_prompts_at_the_prefill_rate_bound_the_wait():
     assert "2 requests wait for a first token (~0.45 s" in err.message
     assert "bound for interactive work is 0.50 s (BRIGADE_EDGE_MAX_WAIT_S)" in err.message
     assert set(gate.waiting) == {"a", "b"}  # a refusal holds nothing
+
+
+def test_refusals_are_told_to_come_back_one_prefill_apart():
+    clock = Clock()
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5), clock=clock)
+    gate.observe(finished("done", prompt_tokens=1000, prefill_s=1.0))  # 1000 tok/s
+    gate.admit("a", 300)
+    gate.admit("b", 150)  # 0.45 s of prompts wait
+    retries = []
+    for rid, tokens in (("c", 100), ("d", 200), ("e", 100)):
+        with pytest.raises(RequestError) as info:
+            gate.admit(rid, tokens)
+        retries.append(info.value.retry_after_s)
+    # when a and b have started, then after c's 0.1 s and d's 0.2 s of prefill
+    assert retries == pytest.approx([0.45, 0.55, 0.75])
+    clock.now += 0.05
+    with pytest.raises(RequestError) as info:
+        gate.admit("f", 100)
+    assert info.value.retry_after_s == pytest.approx(0.85 - 0.05)  # after e's 0.1 s
+    clock.now += 2.0  # the promised times are past: back to the queue's own time
+    with pytest.raises(RequestError) as info:
+        gate.admit("g", 100)
+    assert info.value.retry_after_s == pytest.approx(0.45)
+
+
+def test_refusals_are_spaced_by_the_start_rate_where_starts_are_slower_than_prefill():
+    clock = Clock()
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=1e6), clock=clock)
+    started_one_by_one(gate, clock, 11, 0.1)  # 10 per second of waiting: slots, not prefill
+    for i in range(5):
+        gate.admit(f"w{i}", 10)  # 5 ahead at 10/s: 0.5 s, over the bound with any prefill
+    retries = []
+    for i in range(3):
+        with pytest.raises(RequestError) as info:
+            gate.admit(f"late{i}", 10)
+        retries.append(info.value.retry_after_s)
+    assert retries == pytest.approx([0.5, 0.6, 0.7], rel=1e-3)  # a start apart, not 10 us
 
 
 def test_a_requests_later_runs_join_without_a_check_and_count_for_others():
@@ -217,12 +255,16 @@ def test_what_first_tokens_take_beyond_the_estimate_is_learned_and_counted():
         gate.admit("b", 100)  # 0.1 ahead + 0.1 + 0.5 > 0.5, though the prompts alone fit
 
 
+
+
 def test_first_tokens_of_one_step_learn_no_overhead_from_each_others_prefill():
     """Three 100-token prompts at 1000 tokens/s, admitted at once (estimated 0.1, 0.2 and
     0.3 s), start together 0.35 s later in one step: the first two also waited for the
     prompts admitted after them (0.2 and 0.1 s), which their estimates rightly did not count.
-    Each is 0.05 s beyond its estimate once that is taken off, learned when the step's first
-    tokens are all in; taken as they came (0.25, 0.15, 0.05 s) the overhead would be 0.13 s."""
+    Once that is taken off, the first (nothing ahead) was 0.05 s beyond its own prefill: the
+    overhead. The second's queue of 0.1 s took 0.125 s beyond that overhead, the third's 0.2 s
+    took 0.225 s: 0.35 s for 0.3 s of queues, the queue's factor, learned when the step's first
+    tokens are all in."""
     clock = Clock()
     gate = AdmissionGate(AdmissionConfig(max_wait_s=1.0), clock=clock)
     gate.observe(TokensGenerated(request_id="x", seq=9, token_ids=[1], compute_tok_s=1000.0))
@@ -232,12 +274,39 @@ def test_first_tokens_of_one_step_learn_no_overhead_from_each_others_prefill():
     clock.now += 0.35
     for rid in "abc":
         gate.observe(first_token(rid))
-    assert gate.overhead_s == 0.0  # the step's first tokens may not all be in yet
+    assert (gate.overhead_s, gate.queue_factor) == (0.0, 1.0)  # the step may not be all in yet
     clock.now += 0.011
-    learned = 0.05 * (1 - 0.5**3)  # three samples of 0.05 s, each weighing half (up fast)
-    assert gate.estimate(100).overhead_s == pytest.approx(learned)
+    found = gate.estimate(100)
+    assert found.overhead_s == pytest.approx(0.5 * 0.05)  # one sample, weighing half (up fast)
+    assert gate.queue_factor == pytest.approx(1 + 0.5 * (0.35 / 0.3 - 1))  # up fast: halfway
     gate.admit("d", 100)  # alone: its 0.1 s of prefill, 0.1 s beyond it, learned on its own
     clock.now += 0.2
     gate.observe(first_token("d"))
     clock.now += 0.011
-    assert gate.estimate(100).overhead_s == pytest.approx(learned + 0.5 * (0.1 - learned))
+    assert gate.estimate(100).overhead_s == pytest.approx(0.025 + 0.5 * (0.1 - 0.025))
+
+
+def test_a_slow_burst_teaches_the_queue_factor_not_the_overhead():
+    """A burst of ten 30-token prompts, estimated at 0.03 s each, starts one by one ~0.1 s
+    apart. Only the first waited with nothing ahead: the overhead is its 0.06 s beyond its
+    prefill, weighing half. The others' queues took 3.4-4.4x their estimates, learned step by
+    step (up fast). Learned as overhead, as it was, that slowness refused every later request
+    that found one run ahead, for many seconds; here a request behind one other run is
+    admitted, and the third is refused (2 ahead at the start rate the burst showed, 0.2 s,
+    times the factor)."""
+    clock = Clock()
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5), clock=clock)
+    gate.observe(TokensGenerated(request_id="x", seq=9, token_ids=[1], compute_tok_s=1000.0))
+    for i in range(10):
+        gate.admit(f"b{i}", 30)  # queues of 0 .. 0.27 s, each 0.03 s of its own
+    for i in range(10):  # the engine starts them one by one, each a step of its own
+        clock.now += 0.09
+        gate.observe(first_token(f"b{i}"))
+        clock.now += 0.011
+    assert gate.overhead_s == pytest.approx(0.03, abs=1e-6)
+    assert gate.queue_factor == pytest.approx(3.53, abs=0.01)
+    assert gate.start_rate() == pytest.approx(9.9, abs=0.01)
+    gate.admit("late0", 30)
+    gate.admit("late1", 30)  # 1 ahead: 0.1 s x 3.53 + 0.03 + 0.03 s
+    with pytest.raises(RequestError, match="2 requests wait for a first token"):
+        gate.admit("late2", 30)
