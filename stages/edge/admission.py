@@ -147,6 +147,13 @@ class AdmissionGate:
         busy = self.busy_s - self.starts[0][1]
         return (len(self.starts) - 1) / busy if busy > 1e-3 else None
 
+    def _slot_start_rate(self) -> float | None:
+        """The start rate where it measures the engine: while it reports requests queued for
+        its slots, or reports nothing. With none queued, runs start as soon as they arrive and
+        are prefilled, and the rate is the clients' (a closed loop of 32 at ~5 starts a second
+        counted one run ahead as 0.2 s of queue the engine would have started in one step)."""
+        return None if self.engine_waiting == 0 else self.start_rate()
+
     @property
     def prefill_rate(self) -> float:
         """Prompt tokens per second: the engine's reported compute rate, else (an engine that
@@ -161,7 +168,7 @@ class AdmissionGate:
         if not ahead:
             return Estimate(num_ahead=0, queue_s=0.0, prefill_s=prefill, overhead_s=self.overhead_s)
         by_prefill = sum(w.prompt_tokens for w in ahead) / rate
-        starts = self.start_rate()
+        starts = self._slot_start_rate()
         by_starts = len(ahead) / starts if starts else 0.0
         queue = max(by_prefill, by_starts)
         return Estimate(
@@ -205,7 +212,7 @@ class AdmissionGate:
         earlier, each of which is given its own prefill's time."""
         now = self.clock()
         slot = max(now + found.queue_s, self._retry_at)
-        starts = self.start_rate()  # runs started a second, where slots, not prefill, bound it
+        starts = self._slot_start_rate()  # where slots, not prefill, bound the starts
         self._retry_at = slot + max(found.prefill_s, 1.0 / starts if starts else 0.0)
         return slot - now
 

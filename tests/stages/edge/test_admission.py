@@ -255,8 +255,6 @@ def test_what_first_tokens_take_beyond_the_estimate_is_learned_and_counted():
         gate.admit("b", 100)  # 0.1 ahead + 0.1 + 0.5 > 0.5, though the prompts alone fit
 
 
-
-
 def test_first_tokens_of_one_step_learn_no_overhead_from_each_others_prefill():
     """Three 100-token prompts at 1000 tokens/s, admitted at once (estimated 0.1, 0.2 and
     0.3 s), start together 0.35 s later in one step: the first two also waited for the

@@ -39,8 +39,9 @@ def test_error_response_rounds_retry_after_up_to_whole_seconds_and_milliseconds(
              (0.0001, "1", "1"), (0.0123, "1", "13"))  # fmt: skip
     for retry_after_s, seconds, ms in cases:
         response = error_response(RequestError("rate_limited", "wait", retry_after_s=retry_after_s))
+        headers = response.headers
         assert response.status_code == 429
-        assert (response.headers["retry-after"], response.headers["retry-after-ms"]) == (seconds, ms)
+        assert (headers["retry-after"], headers["retry-after-ms"]) == (seconds, ms)
     response = error_response(RequestError("headers_too_large", "big", "headers"))
     assert response.status_code == 431 and "retry-after" not in response.headers
     assert json.loads(response.body)["error"]["param"] == "headers"
