@@ -65,6 +65,7 @@ class AdmissionConfig:
     batch_share: float = 0.5
     prefill_tok_s: float = 500.0  # the first estimate, until completed runs measure it
     window_s: float = 10.0  # first tokens counted for the start rate
+    retry_spread_s: float = 10.0  # refusals' retry times spread this far past the queue's time
 
     def __post_init__(self) -> None:
         if self.max_wait_s <= 0:
@@ -73,8 +74,8 @@ class AdmissionConfig:
             raise ValueError(f"kv_watermark={self.kv_watermark} must be in (0, 1]")
         if not 0.0 < self.batch_share <= 1.0:
             raise ValueError(f"batch_share={self.batch_share} must be in (0, 1]")
-        if self.prefill_tok_s <= 0 or self.window_s <= 0:
-            raise ValueError(f"prefill_tok_s and window_s must be > 0, got {self}")
+        if self.prefill_tok_s <= 0 or self.window_s <= 0 or self.retry_spread_s <= 0:
+            raise ValueError(f"prefill_tok_s, window_s and retry_spread_s must be > 0, got {self}")
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,12 @@ class AdmissionGate:
         (alone then, it is admitted whatever its prefill), and not before the requests refused
         earlier, each of which is given its own prefill's time."""
         now = self.clock()
-        slot = max(now + found.queue_s, self._retry_at)
+        start = now + found.queue_s
+        slot = max(start, self._retry_at)
+        if slot - start > self.config.retry_spread_s:
+            # a line longer than a burst's (refusals past what returns: a sustained overload,
+            # clients that give up): spread over the window again instead of minutes ahead
+            slot = start
         starts = self._slot_start_rate()  # where slots, not prefill, bound the starts
         self._retry_at = slot + max(found.prefill_s, 1.0 / starts if starts else 0.0)
         return slot - now

@@ -113,6 +113,23 @@ def test_refusals_are_told_to_come_back_one_prefill_apart():
     assert info.value.retry_after_s == pytest.approx(0.45)
 
 
+def test_a_line_of_refusals_longer_than_the_spread_starts_over_at_the_queues_time():
+    """Under a sustained overload refusals outrun what comes back; past `retry_spread_s` beyond
+    the queue's time the retry times start over there, not minutes ahead (an open loop at 2.5x
+    capacity was told 32-65 s before the bound)."""
+    clock = Clock()
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, retry_spread_s=0.25), clock=clock)
+    gate.observe(finished("done", prompt_tokens=1000, prefill_s=1.0))  # 1000 tok/s
+    gate.admit("a", 300)
+    gate.admit("b", 150)  # 0.45 s of prompts wait
+    retries = []
+    for i in range(6):
+        with pytest.raises(RequestError) as info:
+            gate.admit(f"r{i}", 100)  # 0.1 s of prefill each
+        retries.append(info.value.retry_after_s)
+    assert retries == pytest.approx([0.45, 0.55, 0.65, 0.45, 0.55, 0.65])
+
+
 def test_refusals_are_spaced_by_the_start_rate_where_starts_are_slower_than_prefill():
     clock = Clock()
     gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=1e6), clock=clock)
@@ -239,6 +256,8 @@ def test_config_is_validated():
         AdmissionConfig(kv_watermark=1.5)
     with pytest.raises(ValueError, match="max_wait_s=0"):
         AdmissionConfig(max_wait_s=0)
+    with pytest.raises(ValueError, match="retry_spread_s must be > 0"):
+        AdmissionConfig(retry_spread_s=0)
 
 
 def test_what_first_tokens_take_beyond_the_estimate_is_learned_and_counted():
