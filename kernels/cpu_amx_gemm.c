@@ -247,6 +247,17 @@ static void tile_2x2(const uint16_t *xa0, const uint16_t *xa1, const uint16_t *w
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+/* x's piece at OFF in both row tiles against the weights' piece in tiles 6 and 7, into the
+ * 2 x 2 accumulators (tile numbers are immediates: a macro, not a loop) */
+#define FOUR_PRODUCTS(OFF)                      \
+    do {                                        \
+        _tile_loadd(4, a0 + (OFF), 64);         \
+        _tile_loadd(5, a1 + (OFF), 64);         \
+        _tile_dpbf16ps(0, 4, 6);                \
+        _tile_dpbf16ps(1, 4, 7);                \
+        _tile_dpbf16ps(2, 5, 6);                \
+        _tile_dpbf16ps(3, 5, 7);                \
+    } while (0)
     for (int b = 0; b < kbt; ++b) {
         const uint16_t *a0 = xa0 + (int64_t)b * 3 * (PIECE_BYTES / 2);
         const uint16_t *a1 = xa1 + (int64_t)b * 3 * (PIECE_BYTES / 2);
@@ -254,40 +265,16 @@ static void tile_2x2(const uint16_t *xa0, const uint16_t *xa1, const uint16_t *w
         /* the weights' hi piece against x's three */
         _tile_loadd(6, w, 64);
         _tile_loadd(7, w + PIECE_BYTES / 2, 64);
-        _tile_loadd(4, a0, 64);
-        _tile_loadd(5, a1, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-        _tile_loadd(4, a0 + PIECE_BYTES / 2, 64);
-        _tile_loadd(5, a1 + PIECE_BYTES / 2, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-        _tile_loadd(4, a0 + PIECE_BYTES, 64);
-        _tile_loadd(5, a1 + PIECE_BYTES, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        FOUR_PRODUCTS(0);
+        FOUR_PRODUCTS(PIECE_BYTES / 2);
+        FOUR_PRODUCTS(PIECE_BYTES);
         /* the lo piece against xh and xm */
         _tile_loadd(6, w + PIECE_BYTES, 64);
         _tile_loadd(7, w + 3 * (PIECE_BYTES / 2), 64);
-        _tile_loadd(4, a0, 64);
-        _tile_loadd(5, a1, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-        _tile_loadd(4, a0 + PIECE_BYTES / 2, 64);
-        _tile_loadd(5, a1 + PIECE_BYTES / 2, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        FOUR_PRODUCTS(0);
+        FOUR_PRODUCTS(PIECE_BYTES / 2);
     }
+#undef FOUR_PRODUCTS
     _tile_stored(0, tmp, 128);
     _tile_stored(1, tmp + 16, 128);
     _tile_stored(2, tmp + 16 * 32, 128);
