@@ -58,9 +58,12 @@ def available() -> bool:
     return load() is not None
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor | None = None
+) -> Tensor:
     """q [T, H, D], k and v [T, KVH, D] fp32 (rows strided, heads and dims contiguous) ->
-    o [T, H, D]: token i over tokens 0..i, query head h on KV head h // (H / KVH)."""
+    o [T, H, D]: token i over tokens 0..i, query head h on KV head h // (H / KVH); written into
+    `out` (contiguous [T, H, D] fp32) when given, else a new tensor."""
     lib = load()
     if lib is None:
         raise RuntimeError("the CPU causal attention kernel is not available (see the log)")
@@ -73,7 +76,11 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
             raise ValueError(f"{name} {tuple(x.shape)}: heads and dims must be contiguous")
     if k.shape != v.shape or h % kvh or h // kvh > 8:
         raise ValueError(f"{h} query heads over {kvh} KV heads (at most 8 a KV head)")
-    o = torch.empty(t, h, d, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(t, h, d, dtype=torch.float32)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (t, h, d) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{t}, {h}, {d}] float32 tensor")
+    o = out
     status = lib.causal_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         o.data_ptr(), t, h, kvh, d, scale, torch.get_num_threads(),

@@ -176,7 +176,11 @@ def paged_attention_sdpa(
     for p in plan.prefills:
         if p.blocks is None and plan.causal_kernel and q.dtype == torch.float32:
             rows = slice(p.start, p.end)
-            out[rows] = cpu_causal_attention.causal_attention(q[rows], k[rows], v[rows], scale)
+            o = out[rows]
+            if o.is_contiguous():  # (the kernel writes the rows in place)
+                cpu_causal_attention.causal_attention(q[rows], k[rows], v[rows], scale, out=o)
+            else:
+                o.copy_(cpu_causal_attention.causal_attention(q[rows], k[rows], v[rows], scale))
             continue
         qp = q[p.start : p.end].transpose(0, 1)  # [H, ql, D]
         if p.blocks is None:

@@ -69,6 +69,17 @@ def test_each_token_sees_only_itself_and_earlier_ones():
     assert (changed[30:] - base[30:]).abs().max() > 0.1
 
 
+def test_writes_into_the_rows_it_is_given():
+    q, k, v = fused_qkv(20, 9, 3, 64, seed=3)
+    whole = torch.full((30, 9, 64), 7.0)
+    got = ca.causal_attention(q, k, v, 0.125, out=whole[5:25])
+    assert got.data_ptr() == whole[5:25].data_ptr()
+    assert torch.equal(whole[5:25], ca.causal_attention(q, k, v, 0.125))
+    assert (whole[:5] == 7.0).all() and (whole[25:] == 7.0).all()
+    with pytest.raises(ValueError, match="out must be"):
+        ca.causal_attention(q, k, v, 0.125, out=torch.empty(20, 64, 9).transpose(1, 2))
+
+
 def test_refuses_what_it_does_not_take():
     q, k, v = fused_qkv(8, 9, 3, 64, seed=2)
     with pytest.raises(ValueError, match="float32"):
