@@ -252,6 +252,13 @@ def test_finds_a_build_under_build_bin(tmp_path):
     assert found.bench == bin_dir / "llama-bench" and found.server is None
 
 
+def empty_report(**extra) -> dict:
+    """A bench peer report with no rows, only the lines in `extra` (its floor or ceiling)."""
+    return {"threads": 2, "load_average_at_start": [0.1, 0.1, 0.1], "quick": True,
+            "gguf": "m.gguf", "rows": [], "llama_cpp_skipped": None,
+            "llama_cpp_build_flags": [], **extra}  # fmt: skip
+
+
 def test_the_single_stream_floor_is_the_weights_over_the_read_bandwidth():
     from engine.weights import read_gguf_header, resolve_model
 
@@ -267,10 +274,7 @@ def test_the_single_stream_floor_is_the_weights_over_the_read_bandwidth():
     assert row["target_tok_s"] == 260.0
     assert row["target_above_ceiling"] == (260.0 > 20e9 / weights)
     assert peer.floor_row(weights, 20e9, None)["target_above_ceiling"] is None
-    text = peer.markdown(
-        {"threads": 2, "load_average_at_start": [0.1, 0.1, 0.1], "quick": True, "gguf": "m.gguf",
-         "rows": [], "llama_cpp_skipped": None, "llama_cpp_build_flags": [], "floor": row}
-    )  # fmt: skip
+    text = peer.markdown(empty_report(floor=row))
     assert f"than {row['ceiling_tok_s']:,.1f} tok/s" in text and "1.3x llama.cpp" in text
 
 
@@ -297,11 +301,7 @@ def test_the_prefill_ceiling_is_the_projections_flops_over_the_fma_peak():
     assert row["ceiling_tok_s"] == round(100e9 / per_token, 1)
     assert row["target_tok_s"] == 2000.0 and row["target_above_ceiling"] is True
     assert peer.prefill_ceiling_row(config, 100e9, None)["target_above_ceiling"] is None
-    text = peer.markdown(
-        {"threads": 2, "load_average_at_start": [0.1, 0.1, 0.1], "quick": True, "gguf": "m.gguf",
-         "rows": [], "llama_cpp_skipped": None, "llama_cpp_build_flags": [],
-         "prefill_ceiling": row}
-    )  # fmt: skip
+    text = peer.markdown(empty_report(prefill_ceiling=row))
     assert f"no fp32 engine prefills faster than {row['ceiling_tok_s']:,.1f} tok/s" in text
     assert "2,000.0 tok/s: above that ceiling" in text
     assert "AMX" not in text  # an engine that does not use the tiles: no second ceiling
@@ -309,11 +309,7 @@ def test_the_prefill_ceiling_is_the_projections_flops_over_the_fma_peak():
     amx = peer.prefill_ceiling_row(config, 100e9, {"pp512": 400.0}, amx_flops_s=4000e9)
     assert amx["amx_ceiling_tok_s"] == round(4000e9 / 5 / per_token, 1)
     assert amx["target_above_amx_ceiling"] is False  # 2,000 tok/s under 4,000e9 / 5 / 0.212e9
-    text = peer.markdown(
-        {"threads": 2, "load_average_at_start": [0.1, 0.1, 0.1], "quick": True, "gguf": "m.gguf",
-         "rows": [], "llama_cpp_skipped": None, "llama_cpp_build_flags": [],
-         "prefill_ceiling": amx}
-    )  # fmt: skip
+    text = peer.markdown(empty_report(prefill_ceiling=amx))
     assert f"so that path prefills at most {amx['amx_ceiling_tok_s']:,.1f} tok/s" in text
     assert "the target below it" in text
 
