@@ -516,6 +516,12 @@ EDGE_MAX_WAIT_S = declare(Setting[float](
     "which the edge answers 503 while runs wait",
     readers=("edge",),
 ))  # fmt: skip
+EDGE_BURST_WAIT_S = declare(Setting[float](
+    name="BRIGADE_EDGE_BURST_WAIT_S", kind="float", default=1.0, gt=0,
+    help="the same bound for a burst that finds the edge quiet (nothing refused for 10 s), "
+    "never below BRIGADE_EDGE_MAX_WAIT_S: a burst's tail, refused, would only wait later",
+    readers=("edge",),
+))  # fmt: skip
 EDGE_MODEL_ALIASES = declare(Setting[tuple[str, ...]](
     name="BRIGADE_EDGE_MODEL_ALIASES", kind="csv", default=(), default_text="none",
     help="other names the edge accepts in `model`, comma-separated: `alias` (for the default "

@@ -21,7 +21,10 @@ decoding rows).
 
 A request is refused when runs wait and the estimate exceeds `max_wait_s` (batch tenants get
 `batch_share` of it, so interactive ones keep headroom), or when the engine reports its KV
-cache above the watermark with requests queued. A lone request is never refused here: whether
+cache above the watermark with requests queued. A burst into a quiet gate (nothing refused for
+`quiet_s`) may wait up to `burst_wait_s` instead: refusing a burst's tail only moves its wait
+later (a closed loop's clients come back), while a sustained overload ends the quiet with its
+first refusal and is held to `max_wait_s` from then on. A lone request is never refused here: whether
 it can ever fit the model's window is the edge's and the context stage's check.
 
 A refusal's retry time is when the work ahead of it will have started, and after the requests
@@ -66,6 +69,10 @@ class AdmissionConfig:
     prefill_tok_s: float = 500.0  # the first estimate, until completed runs measure it
     window_s: float = 10.0  # first tokens counted for the start rate
     retry_spread_s: float = 10.0  # refusals' retry times spread this far past the queue's time
+    # the bound for a burst into a quiet gate (nothing refused for quiet_s); never below
+    # max_wait_s. 1 s is the overload target's first-token P95 (docs/benchmarks.md, Overload)
+    burst_wait_s: float = 1.0
+    quiet_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_wait_s <= 0:
@@ -76,6 +83,10 @@ class AdmissionConfig:
             raise ValueError(f"batch_share={self.batch_share} must be in (0, 1]")
         if self.prefill_tok_s <= 0 or self.window_s <= 0 or self.retry_spread_s <= 0:
             raise ValueError(f"prefill_tok_s, window_s and retry_spread_s must be > 0, got {self}")
+        if self.burst_wait_s <= 0 or self.quiet_s < 0:
+            raise ValueError(
+                f"burst_wait_s={self.burst_wait_s} must be > 0 and quiet_s={self.quiet_s} >= 0"
+            )
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,7 @@ class AdmissionGate:
         self.kv_usage: float | None = None
         self.engine_waiting: int | None = None
         self._retry_at = 0.0  # the latest retry time given to a refused request
+        self._refused_at: float | None = None  # the last refusal, for the burst bound's quiet
 
     # ---- the estimate ----
 
@@ -182,23 +194,38 @@ class AdmissionGate:
 
     # ---- admission ----
 
+    @property
+    def quiet(self) -> bool:
+        """Nothing refused for `quiet_s`: a burst now is not a standing overload."""
+        last = self._refused_at
+        return last is None or self.clock() - last >= self.config.quiet_s
+
+    def bound(self, priority: str = "interactive") -> tuple[float, str]:
+        """The wait a request of this priority may take now, and the setting that sets it."""
+        c = self.config
+        wait, knob = c.max_wait_s, "BRIGADE_EDGE_MAX_WAIT_S"
+        if c.burst_wait_s > wait and self.quiet:
+            wait, knob = c.burst_wait_s, "BRIGADE_EDGE_BURST_WAIT_S, nothing refused lately"
+        return (wait if priority == "interactive" else wait * c.batch_share), knob
+
     def admit(self, request_id: str, prompt_tokens: int, priority: str = "interactive") -> None:
         c = self.config
-        bound = c.max_wait_s if priority == "interactive" else c.max_wait_s * c.batch_share
+        bound, knob = self.bound(priority)
         found = self.estimate(prompt_tokens)
         if found.num_ahead and found.total_s > bound:
             retry = self._retry_after(found)
+            self._refused_at = self.clock()
             raise RequestError(
                 "overloaded",
                 f"{found.num_ahead} requests wait for a first token (~{found.queue_s:.2f} s to "
                 f"start them) and this one needs ~{found.prefill_s + found.overhead_s:.2f} s "
                 f"more to its first token; the bound "
-                f"for {priority} work is {bound:.2f} s (BRIGADE_EDGE_MAX_WAIT_S); retry after "
-                f"{retry:.2f} s",
+                f"for {priority} work is {bound:.2f} s ({knob}); retry after {retry:.2f} s",
                 retry_after_s=retry,
             )
         kv, queued = self.kv_usage, self.engine_waiting
         if kv is not None and kv >= c.kv_watermark and queued:
+            self._refused_at = self.clock()
             raise RequestError(
                 "overloaded",
                 f"engine KV cache at {kv:.0%} (watermark {c.kv_watermark:.0%}, "

@@ -117,6 +117,7 @@ class EdgeConfig:
             max_model_len=found[settings.MAX_MODEL_LEN],
             admission=AdmissionConfig(
                 max_wait_s=found[settings.EDGE_MAX_WAIT_S],
+                burst_wait_s=found[settings.EDGE_BURST_WAIT_S],
                 kv_watermark=found[settings.EDGE_KV_WATERMARK],
             ),
         )

@@ -147,6 +147,7 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_EDGE_MAX_FRAME": 1 << 20,
         "BRIGADE_EDGE_RECONNECT_GRACE_S": 15.0,
         "BRIGADE_EDGE_MAX_WAIT_S": 0.5,
+        "BRIGADE_EDGE_BURST_WAIT_S": 1.0,
         "BRIGADE_SWEEP_PERIOD_S": 30.0,
         "BRIGADE_SWEEP_QUEUED_S": 600.0,
         "BRIGADE_SWEEP_ENGINE_S": 1800.0,
@@ -202,8 +203,9 @@ def test_the_defaults_agree_with_the_configs_they_fill():
         settings.EDGE_MAX_BODY.default, settings.EDGE_MAX_HEADERS.default,
         settings.EDGE_MAX_FRAME.default,
     )  # fmt: skip
-    assert (admission.max_wait_s, admission.kv_watermark) == (
-        settings.EDGE_MAX_WAIT_S.default, settings.EDGE_KV_WATERMARK.default,
+    assert (admission.max_wait_s, admission.burst_wait_s, admission.kv_watermark) == (
+        settings.EDGE_MAX_WAIT_S.default, settings.EDGE_BURST_WAIT_S.default,
+        settings.EDGE_KV_WATERMARK.default,
     )  # fmt: skip
     bus = BusConfig(servers=("nats://x:4222",))
     assert (bus.events_max_age_s, bus.replicas) == (

@@ -1,7 +1,8 @@
 """Admission by estimated time: the runs waiting for a first token, at the start rate measured
 from first tokens (or their prompts at the prefill rate learned from finished runs), plus the
 new request's own prefill, against BRIGADE_EDGE_MAX_WAIT_S; Retry-After is the queue's time, and
-each refusal after it is told to come one prefill (or one start, where starts are slower) later."""
+each refusal after it is told to come one prefill (or one start, where starts are slower) later.
+A burst into a quiet gate (nothing refused lately) is held to BRIGADE_EDGE_BURST_WAIT_S instead."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ def finished(rid: str, prompt_tokens: int, prefill_s: float, cached: int = 0) ->
     )
 
 
+def steady(**kw) -> AdmissionConfig:
+    """A gate held to max_wait_s whether or not it refused lately (no burst allowance)."""
+    kw.setdefault("max_wait_s", AdmissionConfig.max_wait_s)
+    return AdmissionConfig(burst_wait_s=kw["max_wait_s"], **kw)
+
+
 def first_token(rid: str) -> RunStarted:
     """What a live watch sees of a run's first token: the engine's `started` (its `tokens` only
     with logprobs)."""
@@ -36,13 +43,13 @@ def first_token(rid: str) -> RunStarted:
 
 
 def test_a_lone_request_is_admitted_however_long_its_prefill():
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=100))
+    gate = AdmissionGate(steady(max_wait_s=0.5, prefill_tok_s=100))
     gate.admit("big", 50_000)  # 500 s of prefill, but nothing waits ahead of it
     assert set(gate.waiting) == {"big"}
 
 
 def test_the_prefill_rate_is_learned_from_finished_runs_without_their_cached_tokens():
-    gate = AdmissionGate(AdmissionConfig(prefill_tok_s=100))
+    gate = AdmissionGate(steady(prefill_tok_s=100))
     gate.observe(finished("a", prompt_tokens=1200, prefill_s=1.0, cached=200))
     assert gate.prefill_tok_s == pytest.approx(1000.0)  # the first sample replaces the guess
     gate.observe(finished("b", prompt_tokens=500, prefill_s=1.0))
@@ -55,7 +62,7 @@ def test_the_engines_compute_rate_replaces_the_runs_own_prefill_times():
     """Runs whose 40-token prompts shared their steps with 31 decoding rows finish with ~0.16 s
     of prefill each (250 tokens/s); the engine's steps say it computes 800 tokens/s. Six runs
     waiting ahead: 0.96 s by the runs' own measure (refused), 0.30 s by the engine's."""
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5))
+    gate = AdmissionGate(steady(max_wait_s=0.5))
     for i in range(5):
         gate.observe(finished(f"done{i}", prompt_tokens=40, prefill_s=0.16))
     assert gate.prefill_rate == pytest.approx(250.0)
@@ -74,7 +81,7 @@ def test_the_engines_compute_rate_replaces_the_runs_own_prefill_times():
 
 
 def test_waiting_prompts_at_the_prefill_rate_bound_the_wait():
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5))
+    gate = AdmissionGate(steady(max_wait_s=0.5))
     gate.observe(finished("done", prompt_tokens=1000, prefill_s=1.0))  # 1000 tok/s
     gate.admit("a", 300)
     estimate = gate.estimate(150)
@@ -92,7 +99,7 @@ def test_waiting_prompts_at_the_prefill_rate_bound_the_wait():
 
 def test_refusals_are_told_to_come_back_one_prefill_apart():
     clock = Clock()
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5), clock=clock)
+    gate = AdmissionGate(steady(max_wait_s=0.5), clock=clock)
     gate.observe(finished("done", prompt_tokens=1000, prefill_s=1.0))  # 1000 tok/s
     gate.admit("a", 300)
     gate.admit("b", 150)  # 0.45 s of prompts wait
@@ -118,7 +125,7 @@ def test_a_line_of_refusals_longer_than_the_spread_starts_over_at_the_queues_tim
     the queue's time the retry times start over there, not minutes ahead (an open loop at 2.5x
     capacity was told 32-65 s before the bound)."""
     clock = Clock()
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, retry_spread_s=0.25), clock=clock)
+    gate = AdmissionGate(steady(max_wait_s=0.5, retry_spread_s=0.25), clock=clock)
     gate.observe(finished("done", prompt_tokens=1000, prefill_s=1.0))  # 1000 tok/s
     gate.admit("a", 300)
     gate.admit("b", 150)  # 0.45 s of prompts wait
@@ -132,7 +139,7 @@ def test_a_line_of_refusals_longer_than_the_spread_starts_over_at_the_queues_tim
 
 def test_refusals_are_spaced_by_the_start_rate_where_starts_are_slower_than_prefill():
     clock = Clock()
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=1e6), clock=clock)
+    gate = AdmissionGate(steady(max_wait_s=0.5, prefill_tok_s=1e6), clock=clock)
     started_one_by_one(gate, clock, 11, 0.1)  # 10 per second of waiting: slots, not prefill
     for i in range(5):
         gate.admit(f"w{i}", 10)  # 5 ahead at 10/s: 0.5 s, over the bound with any prefill
@@ -145,7 +152,7 @@ def test_refusals_are_spaced_by_the_start_rate_where_starts_are_slower_than_pref
 
 
 def test_a_requests_later_runs_join_without_a_check_and_count_for_others():
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5))
+    gate = AdmissionGate(steady(max_wait_s=0.5))
     gate.observe(finished("done", prompt_tokens=1000, prefill_s=1.0))  # 1000 tok/s
     gate.admit("r-0", 400)
     gate.join("r-1", 400)  # 0.4 + 0.4 > 0.5, but the same request's: joins
@@ -166,7 +173,7 @@ def started_one_by_one(gate: AdmissionGate, clock: Clock, n: int, wait_s: float)
 
 def test_the_start_rate_bounds_the_wait_and_retry_after_grows_with_the_queue():
     clock = Clock()
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=1e6), clock=clock)
+    gate = AdmissionGate(steady(max_wait_s=0.5, prefill_tok_s=1e6), clock=clock)
     started_one_by_one(gate, clock, 11, 0.1)  # 10 per second of waiting
     assert gate.start_rate() == pytest.approx(10.0)
     for i in range(4):
@@ -175,7 +182,7 @@ def test_the_start_rate_bounds_the_wait_and_retry_after_grows_with_the_queue():
         gate.admit("w4", 10)
         gate.admit("w5", 10)  # 5 ahead at 10/s: 0.5 s, over the bound with its own prefill
     assert shallow.value.retry_after_s == pytest.approx(0.5, rel=1e-3)
-    deep = AdmissionGate(AdmissionConfig(max_wait_s=5.0, prefill_tok_s=1e6), clock=clock)
+    deep = AdmissionGate(steady(max_wait_s=5.0, prefill_tok_s=1e6), clock=clock)
     started_one_by_one(deep, clock, 11, 0.1)
     for i in range(50):
         deep.admit(f"d{i}", 10)
@@ -188,7 +195,7 @@ def test_idle_time_between_requests_is_not_the_engines_pace():
     """Clients that come one a second to an engine that starts each in 50 ms: a burst after that
     is estimated at 20 starts per second, not at the clients' one per second."""
     clock = Clock()
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=1e6), clock=clock)
+    gate = AdmissionGate(steady(max_wait_s=0.5, prefill_tok_s=1e6), clock=clock)
     for i in range(6):
         gate.admit(f"s{i}", 10)
         clock.now += 0.05
@@ -202,7 +209,7 @@ def test_idle_time_between_requests_is_not_the_engines_pace():
 
 def test_starts_that_never_had_to_wait_measure_nothing():
     clock = Clock()
-    gate = AdmissionGate(AdmissionConfig(prefill_tok_s=1e6), clock=clock)
+    gate = AdmissionGate(steady(prefill_tok_s=1e6), clock=clock)
     for i in range(5):
         gate.admit(f"s{i}", 10)
         gate.observe(first_token(f"s{i}"))  # started at once
@@ -212,7 +219,7 @@ def test_starts_that_never_had_to_wait_measure_nothing():
 
 def test_the_start_rate_falls_when_first_tokens_stop_coming():
     clock = Clock()
-    gate = AdmissionGate(AdmissionConfig(window_s=10.0), clock=clock)
+    gate = AdmissionGate(steady(window_s=10.0), clock=clock)
     started_one_by_one(gate, clock, 5, 0.1)
     fast = gate.start_rate()
     gate.admit("stuck", 10)
@@ -224,7 +231,7 @@ def test_the_start_rate_falls_when_first_tokens_stop_coming():
 
 
 def test_batch_gets_only_its_share_of_the_wait():
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=1.0, batch_share=0.5, prefill_tok_s=100))
+    gate = AdmissionGate(steady(max_wait_s=1.0, batch_share=0.5, prefill_tok_s=100))
     gate.admit("i", 40)  # 0.4 s ahead
     with pytest.raises(RequestError, match="bound for batch work is 0.50 s"):
         gate.admit("b", 20, "batch")  # 0.4 + 0.2 > 0.5
@@ -232,7 +239,7 @@ def test_batch_gets_only_its_share_of_the_wait():
 
 
 def test_kv_watermark_with_a_queue_refuses():
-    gate = AdmissionGate(AdmissionConfig(kv_watermark=0.9))
+    gate = AdmissionGate(steady(kv_watermark=0.9))
     gate.observe(
         TokensGenerated(request_id="x", seq=3, token_ids=[1], kv_usage=0.95, num_waiting=0)
     )
@@ -243,7 +250,7 @@ def test_kv_watermark_with_a_queue_refuses():
 
 
 def test_a_wait_ends_at_the_first_token_or_the_runs_end():
-    gate = AdmissionGate(AdmissionConfig())
+    gate = AdmissionGate(steady())
     gate.admit("a", 10)
     gate.admit("b", 10)
     gate.observe(first_token("a"))
@@ -258,11 +265,53 @@ def test_config_is_validated():
         AdmissionConfig(max_wait_s=0)
     with pytest.raises(ValueError, match="retry_spread_s must be > 0"):
         AdmissionConfig(retry_spread_s=0)
+    with pytest.raises(ValueError, match="burst_wait_s=0"):
+        AdmissionConfig(burst_wait_s=0)
+
+
+def test_a_burst_into_a_quiet_gate_waits_up_to_the_burst_bound_until_its_first_refusal():
+    """Nothing refused lately: a burst is let wait up to burst_wait_s (1 s at 1000 tokens/s is
+    ten 100-token prompts); the eleventh is refused, and from then on the gate holds to
+    max_wait_s until it has refused nothing for quiet_s."""
+    clock = Clock()
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=1000), clock=clock)
+    assert gate.bound() == (1.0, "BRIGADE_EDGE_BURST_WAIT_S, nothing refused lately")
+    for i in range(10):  # the tenth's estimate: 0.9 s ahead + 0.1 s its own
+        gate.admit(f"r{i}", 100)
+    with pytest.raises(RequestError, match=r"1\.00 s \(BRIGADE_EDGE_BURST_WAIT_S") as info:
+        gate.admit("r10", 100)
+    assert info.value.retry_after_s == pytest.approx(1.0)
+    assert gate.bound() == (0.5, "BRIGADE_EDGE_MAX_WAIT_S")
+    for i in range(10):
+        gate.observe(first_token(f"r{i}"))
+    gate.admit("a", 100)
+    gate.admit("b", 100)
+    clock.now += 9.9
+    with pytest.raises(RequestError, match=r"0\.50 s \(BRIGADE_EDGE_MAX_WAIT_S\)"):
+        gate.admit("c", 400)  # 0.2 + 0.4 > 0.5: refused again, which starts the quiet over
+    clock.now += 9.9
+    assert gate.bound("batch") == (0.25, "BRIGADE_EDGE_MAX_WAIT_S")
+    clock.now += 0.1
+    assert gate.bound("batch") == (0.5, "BRIGADE_EDGE_BURST_WAIT_S, nothing refused lately")
+    gate.admit("c", 400)
+
+
+def test_the_kv_watermark_refusal_ends_the_quiet_too():
+    gate = AdmissionGate(AdmissionConfig(kv_watermark=0.9))
+    gate.observe(RunStarted(request_id="x", kv_usage=0.95, num_waiting=2))
+    with pytest.raises(RequestError, match="KV cache at 95%"):
+        gate.admit("a", 10)
+    assert not gate.quiet
+
+
+def test_a_burst_bound_below_the_steady_one_changes_nothing():
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=2.0, burst_wait_s=1.0))
+    assert gate.bound() == (2.0, "BRIGADE_EDGE_MAX_WAIT_S")
 
 
 def test_what_first_tokens_take_beyond_the_estimate_is_learned_and_counted():
     clock = Clock()
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=1000), clock=clock)
+    gate = AdmissionGate(steady(max_wait_s=0.5, prefill_tok_s=1000), clock=clock)
     for i in range(30):  # each run estimated at 0.1 s of prefill waits 0.6 s for its first token
         gate.admit(f"r{i}", 100)
         clock.now += 0.6
@@ -283,7 +332,7 @@ def test_first_tokens_of_one_step_learn_no_overhead_from_each_others_prefill():
     took 0.225 s: 0.35 s for 0.3 s of queues, the queue's factor, learned when the step's first
     tokens are all in."""
     clock = Clock()
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=1.0), clock=clock)
+    gate = AdmissionGate(steady(max_wait_s=1.0), clock=clock)
     gate.observe(TokensGenerated(request_id="x", seq=9, token_ids=[1], compute_tok_s=1000.0))
     for rid in "abc":
         gate.admit(rid, 100)
@@ -312,7 +361,7 @@ def test_a_slow_burst_teaches_the_queue_factor_not_the_overhead():
     admitted, and the third is refused (2 ahead at the start rate the burst showed, 0.2 s,
     times the factor)."""
     clock = Clock()
-    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5), clock=clock)
+    gate = AdmissionGate(steady(max_wait_s=0.5), clock=clock)
     gate.observe(TokensGenerated(request_id="x", seq=9, token_ids=[1], compute_tok_s=1000.0))
     for i in range(10):
         gate.admit(f"b{i}", 30)  # queues of 0 .. 0.27 s, each 0.03 s of its own

@@ -58,6 +58,7 @@ class Loop:
     max_tokens: int
     reports_rate: bool  # the engine puts its compute rate on its events
     max_wait_s: float = 0.5  # BRIGADE_EDGE_MAX_WAIT_S
+    burst_wait_s: float = 0.5  # BRIGADE_EDGE_BURST_WAIT_S (1 s; at max_wait_s: none)
     max_num_seqs: int = 64
     budget: int = 512  # max_num_batched_tokens
     # an open loop instead: Poisson arrivals for duration_s, each sent once (a refusal is lost)
@@ -67,6 +68,7 @@ class Loop:
     # of `Retry-After`
     reads_ms: bool = True
     reports_queue: bool = True  # the engine's gauge of requests waiting for its slots
+    warm: bool = False  # the gate knows the engine's rate before the first send (a warm-up ran)
     gate_type: type[AdmissionGate] = AdmissionGate
     clock: Clock = field(default_factory=Clock)
     rate: ComputeRate = field(default_factory=ComputeRate)
@@ -78,7 +80,10 @@ class Loop:
     first_token_waits: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.gate = self.gate_type(AdmissionConfig(max_wait_s=self.max_wait_s), clock=self.clock)
+        config = AdmissionConfig(max_wait_s=self.max_wait_s, burst_wait_s=self.burst_wait_s)
+        self.gate = self.gate_type(config, clock=self.clock)
+        if self.warm:
+            self.gate.observe(RunStarted(request_id="warm-up", compute_tok_s=1 / PER_TOKEN_S))
         if self.offered_rps is None:
             self.sends = [(0.0, c, 0) for c in range(self.num_clients)]  # all start at once
         else:
@@ -296,3 +301,48 @@ def test_an_open_loop_at_two_and_a_half_times_capacity_is_refused_as_before():
     assert p95["engine"] == pytest.approx(0.57, abs=0.01)
     assert p95["own"] == pytest.approx(0.57, abs=0.01)
     assert p95["unbounded"] > 90.0
+
+
+def test_a_burst_into_a_quiet_gate_is_held_to_the_burst_bound_and_an_overload_is_not():
+    """The default gate lets a burst that finds it quiet (nothing refused for 10 s) wait up to
+    1 s instead of 0.5 s. Warm (the engine's rate known, as after `bench serve`'s warm-up), 16
+    clients that start at once are let through whole (7 refusals at 0.5 s), and 32 are refused
+    15 times instead of 23 (their 1,280 prompt tokens are 1.5 s of prefill). Poisson arrivals at
+    2.5x capacity end the quiet with their first refusal: refused as often, admitted first
+    tokens at P95 0.66 s against 0.57 s (target <= 1 s). A burst bound of 1.25 s would not
+    hold the target: the overload's opening admits enough slow first tokens for P95 1.24 s."""
+
+    def closed(clients: int, burst: float) -> Loop:
+        return Loop(
+            num_clients=clients,
+            num_requests=2,
+            max_tokens=128,
+            reports_rate=True,
+            warm=True,
+            burst_wait_s=burst,
+        ).run()
+
+    def overload(burst: float) -> Loop:
+        return Loop(
+            num_clients=0,
+            num_requests=0,
+            max_tokens=32,
+            reports_rate=True,
+            offered_rps=29.0,
+            burst_wait_s=burst,
+        ).run()
+
+    def p95(loop: Loop) -> float:
+        waits = sorted(loop.first_token_waits)
+        return waits[int(0.95 * len(waits))]
+
+    burst = AdmissionConfig().burst_wait_s
+    assert burst == 1.0
+    assert [len(closed(16, b).refusals) for b in (0.5, burst)] == [7, 0]
+    assert [len(closed(32, b).refusals) for b in (0.5, burst)] == [23, 15]
+    assert p95(closed(16, burst)) == pytest.approx(0.795, abs=0.001)
+    steady, default, wider = overload(0.5), overload(burst), overload(1.25)
+    assert [len(r.refusals) for r in (steady, default, wider)] == [1078, 1078, 1078]
+    assert p95(steady) == pytest.approx(0.57, abs=0.01)
+    assert p95(default) == pytest.approx(0.66, abs=0.01)
+    assert p95(wider) == pytest.approx(1.24, abs=0.01)

@@ -27,7 +27,7 @@ def chat(content: str, max_tokens: int = 16) -> dict:
 
 @pytest.fixture
 async def edge(bus_config, tmp_path):
-    admission = AdmissionConfig(max_wait_s=0.05, prefill_tok_s=100.0)
+    admission = AdmissionConfig(max_wait_s=0.05, burst_wait_s=0.05, prefill_tok_s=100.0)
     async with running_edge(bus_config, keyring_for_tests(tmp_path), admission=admission) as e:
         yield e
 
