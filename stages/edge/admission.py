@@ -32,13 +32,22 @@ refused before it, each given its own prompt's prefill time: a refused burst com
 rate the engine starts prompts, not all at once. With one retry time for all, a burst of 32
 came back together, a few fit and the rest were refused again, round after round (the openai
 SDK retries twice by default, honouring `retry-after-ms`).
+
+That time is a place kept: the same request (its tenant and the digest idempotency uses) sent
+again from its retry time, within `PROMISE_GRACE_S`, is held to the burst's bound, not the
+steady one; sent early, it is told the same time again. Without it a client of a closed loop
+was refused six times in a row, each time a little over the bound behind the few runs other
+clients had just sent (and admitted whatever the estimate, 32 clients behind 8 slots waited
+2.7x longer for first tokens). A line longer than the spread (a standing overload) keeps no
+places.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from schemas.events import (
@@ -59,6 +68,9 @@ RATE_WEIGHT = 0.2  # each finished run's share of the learned prefill rate (an E
 OVERHEAD_UP, OVERHEAD_DOWN = 0.5, 0.1
 QUEUE_FACTOR_MIN, QUEUE_FACTOR_MAX = 0.5, 4.0
 GROUP_S = 0.01  # first tokens this close after a group's first came from one engine step
+# a refused request's place is kept this long past the retry time it was given (a client that
+# reads only Retry-After's whole seconds comes up to a second late), for at most MAX_PROMISES
+PROMISE_GRACE_S, MAX_PROMISES = 2.0, 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +149,7 @@ class AdmissionGate:
         self.engine_waiting: int | None = None
         self._retry_at = 0.0  # the latest retry time given to a refused request
         self._refused_at: float | None = None  # the last refusal, for the burst bound's quiet
+        self._promised: OrderedDict[Hashable, float] = OrderedDict()  # a refusal's retry time
 
     # ---- the estimate ----
 
@@ -196,24 +209,36 @@ class AdmissionGate:
 
     @property
     def quiet(self) -> bool:
-        """Nothing refused for `quiet_s`: a burst now is not a standing overload."""
-        last = self._refused_at
-        return last is None or self.clock() - last >= self.config.quiet_s
+        """Nothing refused for `quiet_s`: a burst now is not a standing overload. (`quiet_s` 0:
+        never quiet, so only a request back at its retry time gets the burst's bound.)"""
+        last, quiet_s = self._refused_at, self.config.quiet_s
+        return quiet_s > 0 and (last is None or self.clock() - last >= quiet_s)
 
-    def bound(self, priority: str = "interactive") -> tuple[float, str]:
-        """The wait a request of this priority may take now, and the setting that sets it."""
+    def bound(self, priority: str = "interactive", placed: bool = False) -> tuple[float, str]:
+        """The wait a request of this priority may take now, and the setting that sets it: the
+        burst's bound while the gate is quiet, or for a refused request back at its place."""
         c = self.config
         wait, knob = c.max_wait_s, "BRIGADE_EDGE_MAX_WAIT_S"
-        if c.burst_wait_s > wait and self.quiet:
+        if c.burst_wait_s > wait and placed:
+            wait, knob = c.burst_wait_s, "BRIGADE_EDGE_BURST_WAIT_S, back at its retry time"
+        elif c.burst_wait_s > wait and self.quiet:
             wait, knob = c.burst_wait_s, "BRIGADE_EDGE_BURST_WAIT_S, nothing refused lately"
         return (wait if priority == "interactive" else wait * c.batch_share), knob
 
-    def admit(self, request_id: str, prompt_tokens: int, priority: str = "interactive") -> None:
+    def admit(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        priority: str = "interactive",
+        key: Hashable | None = None,
+    ) -> None:
+        """Admit or refuse (RequestError `overloaded`). `key` names the request across its
+        retries (the same body from the same tenant): a refused one keeps its place."""
         c = self.config
-        bound, knob = self.bound(priority)
+        bound, knob = self.bound(priority, placed=self._place_come(key))
         found = self.estimate(prompt_tokens)
         if found.num_ahead and found.total_s > bound:
-            retry = self._retry_after(found)
+            retry = self._retry_after(found, key)
             self._refused_at = self.clock()
             raise RequestError(
                 "overloaded",
@@ -232,22 +257,50 @@ class AdmissionGate:
                 f"BRIGADE_EDGE_KV_WATERMARK) with {queued} requests queued; retry shortly",
                 retry_after_s=max(found.queue_s, 1.0),
             )
+        if key is not None:
+            self._promised.pop(key, None)  # admitted early: its place is not needed
         self._wait(request_id, prompt_tokens, found)
 
-    def _retry_after(self, found: Estimate) -> float:
+    def _retry_after(self, found: Estimate, key: Hashable | None = None) -> float:
         """Seconds until a refused request should come back: once the runs ahead have started
         (alone then, it is admitted whatever its prefill), and not before the requests refused
-        earlier, each of which is given its own prefill's time."""
+        earlier, each of which is given its own prefill's time. That time is kept for `key`."""
         now = self.clock()
+        kept = self._promised.get(key) if key is not None else None
+        if kept is not None:  # back before its time: the same time again
+            return kept - now
         start = now + found.queue_s
         slot = max(start, self._retry_at)
         if slot - start > self.config.retry_spread_s:
             # a line longer than a burst's (refusals past what returns: a sustained overload,
-            # clients that give up): spread over the window again instead of minutes ahead
-            slot = start
+            # clients that give up): spread over the window again instead of minutes ahead,
+            # and keep no place (more places than the window holds would all be let in)
+            slot, key = start, None
         starts = self._slot_start_rate()  # where slots, not prefill, bound the starts
         self._retry_at = slot + max(found.prefill_s, 1.0 / starts if starts else 0.0)
+        if key is not None:
+            self._keep_place(key, slot, now)
         return slot - now
+
+    def _keep_place(self, key: Hashable, at: float, now: float) -> None:
+        places = self._promised
+        while places and (
+            len(places) >= MAX_PROMISES or next(iter(places.values())) + PROMISE_GRACE_S < now
+        ):
+            places.popitem(last=False)  # the oldest: expired, or one too many
+        places[key] = at
+
+    def _place_come(self, key: Hashable | None) -> bool:
+        """Whether `key` was refused and told to come back by now (its place is then used up).
+        Early, it keeps its place; past the grace, it has lost it."""
+        at = self._promised.get(key) if key is not None else None
+        if at is None:
+            return False
+        now = self.clock()
+        if now < at:
+            return False
+        del self._promised[key]
+        return now <= at + PROMISE_GRACE_S
 
     def join(self, request_id: str, prompt_tokens: int) -> None:
         """A later run of a request already admitted (a completions request's further prompts,

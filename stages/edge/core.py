@@ -362,12 +362,15 @@ class Edge:
         submit = msgspec.structs.replace(submit, request_id=request_id, deadline_s=deadline,
                                          edge_worker=self.edge_worker)  # fmt: skip
         await self.check_fits(submit)
-        if admit:
-            self.gate_of(model).admit(request_id, prompt_tokens(submit), caller.priority)
+        digest = request_hash(request)
+        if admit:  # a refused request sent again (the same tenant and digest) keeps its place
+            self.gate_of(model).admit(
+                request_id, prompt_tokens(submit), caller.priority, key=(caller.tenant, digest)
+            )
         else:
             self.gate_of(model).join(request_id, prompt_tokens(submit))
         try:
-            return await self._submit(caller, submit, request_hash(request), request_id, tokens)
+            return await self._submit(caller, submit, digest, request_id, tokens)
         except BaseException as err:
             self._release(request_id)
             if isinstance(err, Exception) and bus_unavailable(err):

@@ -307,6 +307,15 @@ def test_the_kv_watermark_refusal_ends_the_quiet_too():
 def test_a_burst_bound_below_the_steady_one_changes_nothing():
     gate = AdmissionGate(AdmissionConfig(max_wait_s=2.0, burst_wait_s=1.0))
     assert gate.bound() == (2.0, "BRIGADE_EDGE_MAX_WAIT_S")
+    assert gate.bound(placed=True) == (2.0, "BRIGADE_EDGE_MAX_WAIT_S")
+
+
+def test_quiet_s_zero_leaves_the_burst_bound_to_requests_back_at_their_place():
+    gate = AdmissionGate(AdmissionConfig(quiet_s=0.0))
+    assert not gate.quiet
+    assert gate.bound() == (0.5, "BRIGADE_EDGE_MAX_WAIT_S")
+    assert gate.bound("batch", placed=True) == (
+        0.5, "BRIGADE_EDGE_BURST_WAIT_S, back at its retry time")  # fmt: skip
 
 
 def test_what_first_tokens_take_beyond_the_estimate_is_learned_and_counted():
@@ -376,3 +385,48 @@ def test_a_slow_burst_teaches_the_queue_factor_not_the_overhead():
     gate.admit("late1", 30)  # 1 ahead: 0.1 s x 3.53 + 0.03 + 0.03 s
     with pytest.raises(RequestError, match="2 requests wait for a first token"):
         gate.admit("late2", 30)
+
+
+def test_a_refused_request_back_at_its_retry_time_keeps_its_place():
+    """The same request (its key) sent again from the retry time it was given is held to the
+    burst's bound; early, it is told the same time; past the grace, it is a new request."""
+    clock = Clock()
+    gate = AdmissionGate(AdmissionConfig(max_wait_s=0.5, prefill_tok_s=1000), clock=clock)
+    for i in range(10):
+        gate.admit(f"r{i}", 100)  # quiet: up to 1 s
+    with pytest.raises(RequestError) as first:
+        gate.admit("k1", 100, key="body-1")
+    assert first.value.retry_after_s == pytest.approx(1.0)  # the ten ahead started, 1 s on
+    with pytest.raises(RequestError) as second:
+        gate.admit("k2", 100, key="body-2")
+    assert second.value.retry_after_s == pytest.approx(1.1)  # one prefill after the first
+    clock.now += 0.5
+    with pytest.raises(RequestError) as early:
+        gate.admit("k1-early", 100, key="body-1")
+    assert early.value.retry_after_s == pytest.approx(0.5)  # the same time, not the line's end
+    assert gate._retry_at == pytest.approx(1000.0 + 1.2)  # the line did not grow for it
+    clock.now += 0.5
+    for i in range(4):
+        gate.observe(first_token(f"r{i}"))
+    # six runs ahead (0.6 s) and its own 0.1 s: over 0.5, under the burst's 1 s
+    assert gate.bound("interactive", placed=True)[1].endswith("back at its retry time")
+    gate.admit("k1-back", 100, key="body-1")
+    with pytest.raises(RequestError, match=r"0\.50 s \(BRIGADE_EDGE_MAX_WAIT_S\)"):
+        gate.admit("k1-again", 100, key="body-1")  # its place was used
+    clock.now += 0.1 + 2.0 + 0.01  # body-2's time plus the grace, and a little
+    with pytest.raises(RequestError, match="BRIGADE_EDGE_MAX_WAIT_S"):
+        gate.admit("k2-late", 100, key="body-2")
+
+
+def test_a_line_longer_than_the_spread_keeps_no_places():
+    clock = Clock()
+    gate = AdmissionGate(steady(max_wait_s=0.5, retry_spread_s=0.25, prefill_tok_s=1000),
+                         clock=clock)  # fmt: skip
+    for i in range(5):
+        gate.admit(f"r{i}", 100)
+    for i in range(5):  # slots 0.5 s on, one prefill apart: the fourth would be 0.3 s past it
+        with pytest.raises(RequestError):
+            gate.admit(f"k{i}", 100, key=f"body-{i}")
+    # the fourth is told the queue's time with no place; the line starts over behind it
+    assert list(gate._promised) == ["body-0", "body-1", "body-2", "body-4"]
+    assert list(gate._promised.values()) == pytest.approx([1000.5, 1000.6, 1000.7, 1000.6])

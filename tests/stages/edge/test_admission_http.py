@@ -1,7 +1,7 @@
 """Admission through the real edge (uvicorn on a real nats-server, no engine behind it, so a
 submitted run waits for its first token): a request that can never fit the model's window is a
 400 naming the limit on an idle server; past the time bound a request is refused at once with
-a Retry-After from the queue."""
+a Retry-After from the queue, and the same request sent again then keeps its place."""
 
 from __future__ import annotations
 
@@ -78,3 +78,45 @@ async def test_past_the_time_bound_a_request_is_refused_with_retry_after_from_th
 
 async def submitted(bus: Bus) -> bool:
     return (await bus.js.stream_info(subjects.SUBMIT_STREAM)).state.messages > 0
+
+
+async def test_the_same_request_sent_again_at_its_retry_time_keeps_its_place(bus_config, tmp_path):
+    """Steady bound 0.05 s, the burst's 5 s for places only (never quiet): a second request is
+    refused past the steady bound; sent again (the same body, the same key) after its
+    retry-after-ms it is held to the burst's bound and submitted. Another body sent at that
+    moment is still refused."""
+    admission = AdmissionConfig(max_wait_s=0.05, burst_wait_s=5.0, quiet_s=0.0, prefill_tok_s=100.0)
+    keys = keyring_for_tests(tmp_path)
+    async with running_edge(bus_config, keys, admission=admission) as edge:
+        bus = await Bus.connect(bus_config)
+        prompt = "x" * 400  # ~108 tokens: ~1.1 s at 100 tokens/s
+        replies = []
+
+        async def send(body: str) -> None:
+            replies.append(await http.post("/v1/chat/completions", json=chat(body)))
+
+        async with httpx.AsyncClient(base_url=edge.url, headers=AUTH, timeout=30) as http:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send, prompt)  # admitted alone; waits (no engine)
+                with anyio.fail_after(10):
+                    while await num_submitted(bus) < 1:
+                        await anyio.sleep(0.01)
+                refused = await http.post("/v1/chat/completions", json=chat("z" * 400))
+                assert refused.status_code == 503, refused.text
+                assert "BRIGADE_EDGE_MAX_WAIT_S" in refused.json()["error"]["message"]
+                retry_ms = int(refused.headers["retry-after-ms"])
+                assert 1080 <= retry_ms <= 1100  # the run ahead's prefill
+                await anyio.sleep(retry_ms / 1000)
+                other = await http.post("/v1/chat/completions", json=chat("w" * 400))
+                assert other.status_code == 503, other.text
+                tg.start_soon(send, "z" * 400)
+                with anyio.fail_after(10):
+                    while await num_submitted(bus) < 2 and not replies:
+                        await anyio.sleep(0.01)
+                assert not replies, replies[0].text  # submitted, waiting for a first token
+                tg.cancel_scope.cancel()
+        await bus.close()
+
+
+async def num_submitted(bus: Bus) -> int:
+    return (await bus.js.stream_info(subjects.SUBMIT_STREAM)).state.messages
