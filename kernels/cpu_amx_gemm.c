@@ -27,6 +27,9 @@
  *                                   32 e + 2 i + p (0 past the last block); ne = ceil(nb / 32)
  *   x   [rows, in] fp32, row stride x_stride;  y [rows, out] fp32, row stride y_stride
  * kernel_isa() is 3 where it was built with AMX, else 0 and every entry refuses (-3).
+ *
+ * The same tiles in int8 screen the greedy rows' LM head (amx_screen, below): what
+ * cpu_greedy_head.c does with `vpdpbusd`, at whole rows of K a tile product.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,11 +38,13 @@
 #include <omp.h>
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && \
+    defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define AMX 1
 #include <immintrin.h>
 #include <errno.h>
+#include <float.h>
+#include <math.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -98,6 +103,21 @@ static int tile_product_right(void) {
     _tile_release();
     for (int i = 0; i < 16 * 16; ++i)
         if (c[i] != 80.0f) return 0; /* 16 pairs of 1 * 2 + 1 * 3 */
+    static int8_t ai[16 * 64], bi[16 * 64];
+    static int32_t ci[16 * 16];
+    for (int i = 0; i < 16 * 64; ++i) {
+        ai[i] = -3;
+        bi[i] = (int8_t)(i & 1 ? 127 : -128);
+    }
+    configure_tiles();
+    _tile_zero(1);
+    _tile_loadd(5, ai, 64);
+    _tile_loadd(7, bi, 64);
+    _tile_dpbssd(1, 5, 7);
+    _tile_stored(1, ci, 64);
+    _tile_release();
+    for (int i = 0; i < 16 * 16; ++i)
+        if (ci[i] != 32 * 3) return 0; /* 32 pairs of -3 * 127 + -3 * -128 */
     return 1;
 }
 
@@ -361,6 +381,175 @@ int amx_gemm_q4_1(const uint8_t *nib, const float *dv, const float *mv, int64_t 
     }
     return 0;
 }
+
+/* ---- The greedy rows' LM head, screened on int8 tiles (kernels/cpu_greedy_head.py) ----
+ *
+ * Where cpu_greedy_head.c rounds x per block of 32 and sums per block (Q8_0's d is per block),
+ * this rounds once per row and sums whole rows of K in the tile: the head is held a second way,
+ * each vocabulary row v rounded to int8 on its own scale s_v = max |w_v| / 127 (w' = round(w /
+ * s_v)), and each row of x cut into two int8 pieces on its scale dx = max |x| / 127: xh =
+ * round(x / dx), xl = round(254 (x / dx - xh)), so x^ = dx (xh + xl / 254) is within dx / 508 of
+ * x. The sums sh = xh . w', sl = xl . w' are exact in int32 (TDPBSSD), and
+ *     approx = dx s_v (sh + sl / 254) = x^ . w^   (w^ = s_v w'), up to fp32's rounding;
+ *     |x . w - x^ . w^| <= max|x - x^| sum|w| + sum|x^| max|w - w^|   (tx A_v + l1 ew_v).
+ * The fp32 GEMV that decides differs from x . w by at most ~K u sum|x w| <= K u |x|_2 |w|_2, and
+ * approx's own rounding by a few u of the same; the bound takes (2 K + 16) u |x|_2 |w|_2 for both,
+ * and the sum is widened by SCREEN_MARGIN. Candidates are then listed as cpu_greedy_head.c does.
+ *
+ * Layouts (made once at load by kernels/cpu_greedy_head.py, vocabulary padded to a multiple of
+ * 32 with zero rows, K to a multiple of 64 with zeros):
+ *   wq [VG][KT][16][64] int8   B tiles: for vocab group g (16 rows) and K tile t, row i holds
+ *                              w'[16 g + n][64 t + 4 i + j] at byte 4 n + j
+ *   wv [VG * 16][4] fp32       s_v, A_v = sum|w_v|, ew_v = max|w_v - w^_v|, |w_v|_2 (rounded up)
+ *   x  [rows, K] fp32 (K the unpadded width), hi [rows, VG * 16], lo_max [rows]: each row's
+ *   greatest lower bound */
+#define SCREEN_MARGIN 1.0625f
+#define XL_SCALE 254.0f
+
+typedef struct {
+    float dx, tx, l1, n2;
+} screen_row;
+
+/* x's rows -> their two pieces (zero rows past `rows` up to a multiple of 16) and their terms;
+ * -1 for a value that is not finite */
+static int screen_pieces(const float *x, int64_t rows, int64_t K, int64_t KP, int8_t *xh,
+                         int8_t *xl, screen_row *info) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * K;
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; ++k) {
+            uint32_t u;
+            memcpy(&u, xr + k, 4);
+            if ((u & 0x7f800000u) == 0x7f800000u) return -1; /* inf or NaN, on the bits */
+            const float a = fabsf(xr[k]);
+            amax = a > amax ? a : amax;
+        }
+        const int tiny = amax < 1e-30f; /* 127 / amax would overflow: the row is left out */
+        const float dx = tiny ? 0.0f : amax / 127.0f, inv = tiny ? 0.0f : 127.0f / amax;
+        double tx = 0.0, l1 = 0.0, n2 = 0.0;
+        for (int64_t k = 0; k < K; ++k) {
+            const float t = xr[k] * inv;
+            float h = nearbyintf(t);
+            h = h > 127.0f ? 127.0f : h < -127.0f ? -127.0f : h;
+            float l = nearbyintf((t - h) * XL_SCALE);
+            l = l > 127.0f ? 127.0f : l < -127.0f ? -127.0f : l;
+            xh[r * KP + k] = (int8_t)h;
+            xl[r * KP + k] = (int8_t)l;
+            const double xhat = (double)dx * ((double)h + (double)l / XL_SCALE);
+            const double e = fabs((double)xr[k] - xhat);
+            tx = e > tx ? e : tx;
+            l1 += fabs(xhat);
+            n2 += (double)xr[k] * (double)xr[k];
+        }
+        info[r] = (screen_row){dx, (float)(tx * (1.0 + 1e-6)), (float)(l1 * (1.0 + 1e-6)),
+                               (float)(sqrt(n2) * (1.0 + 1e-6))};
+    }
+    return 0;
+}
+
+/* One pair of vocab groups (32 rows of the head) against 16 rows of x: the four sums, then each
+ * row's approximations, upper bounds into hi and lower bounds into lo. */
+static void screen_pair(const int8_t *wq, const float *wv, int64_t pair, int64_t KT, int64_t KP,
+                        const int8_t *xh, const int8_t *xl, const screen_row *info, int64_t r0,
+                        int nr, int64_t V, float coef, float *hi, int64_t ldh, float *lo,
+                        int32_t *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int8_t *w0 = wq + (2 * pair) * KT * 1024, *w1 = w0 + KT * 1024;
+    for (int64_t t = 0; t < KT; ++t) {
+        _tile_loadd(4, xh + r0 * KP + 64 * t, KP);
+        _tile_loadd(5, xl + r0 * KP + 64 * t, KP);
+        _tile_loadd(6, w0 + t * 1024, 64);
+        _tile_loadd(7, w1 + t * 1024, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 5, 6);
+        _tile_dpbssd(2, 4, 7);
+        _tile_dpbssd(3, 5, 7);
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
+    const __m512 margin = _mm512_set1_ps(SCREEN_MARGIN), third = _mm512_set1_ps(1.0f / XL_SCALE);
+    for (int g = 0; g < 2; ++g) {
+        const int64_t v0 = (2 * pair + g) * 16;
+        const int valid = V - v0 >= 16 ? 16 : V - v0 > 0 ? (int)(V - v0) : 0; /* not the pad */
+        /* the lanes' s, A, ew and |w|_2, out of [16][4] */
+        const __m512i idx = _mm512_set_epi32(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12,
+                                             8, 4, 0);
+        const float *w4 = wv + v0 * 4;
+        const __m512 s = _mm512_i32gather_ps(idx, w4, 4), a = _mm512_i32gather_ps(idx, w4 + 1, 4);
+        const __m512 ew = _mm512_i32gather_ps(idx, w4 + 2, 4);
+        const __m512 nw = _mm512_i32gather_ps(idx, w4 + 3, 4);
+        for (int r = 0; r < nr; ++r) {
+            const screen_row in = info[r0 + r];
+            const __m512 sh = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + g * 512 + r * 16));
+            const __m512 sl = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + g * 512 + 256 + r * 16));
+            const __m512 approx = _mm512_mul_ps(_mm512_fmadd_ps(sl, third, sh),
+                                                _mm512_mul_ps(s, _mm512_set1_ps(in.dx)));
+            __m512 bound = _mm512_mul_ps(a, _mm512_set1_ps(in.tx));
+            bound = _mm512_fmadd_ps(ew, _mm512_set1_ps(in.l1), bound);
+            bound = _mm512_fmadd_ps(nw, _mm512_set1_ps(coef * in.n2), bound);
+            bound = _mm512_mul_ps(bound, margin);
+            _mm512_storeu_ps(hi + (r0 + r) * ldh + v0, _mm512_add_ps(approx, bound));
+            if (valid) {
+                const float m = _mm512_mask_reduce_max_ps((__mmask16)((1u << valid) - 1u),
+                                                          _mm512_sub_ps(approx, bound));
+                lo[r0 + r] = m > lo[r0 + r] ? m : lo[r0 + r];
+            }
+        }
+    }
+}
+
+/* Every row's upper bounds into hi [rows, VG * 16] and greatest lower bound into lo_max [rows]:
+ * 0; -1 for a value of x not finite; -3 without memory. */
+int amx_screen(const int8_t *wq, const float *wv, int64_t V, int64_t K, const float *x,
+               int64_t rows, float *hi, float *lo_max, int num_threads) {
+    const int64_t VG = (V + 31) / 32 * 2, ldh = VG * 16, KT = (K + 63) / 64, KP = KT * 64;
+    const int64_t padded = (rows + 15) / 16 * 16;
+    int nt = num_threads > 0 ? num_threads : 1;
+#ifndef _OPENMP
+    nt = 1;
+#endif
+    int8_t *xh = calloc((size_t)(2 * padded * KP), 1);
+    screen_row *info = calloc((size_t)padded, sizeof(screen_row));
+    float *lo = malloc(sizeof(float) * (size_t)(padded * nt));
+    int status = xh && info && lo ? 0 : -3;
+    if (status == 0) status = screen_pieces(x, rows, K, KP, xh, xh + padded * KP, info);
+    if (status == 0) {
+        const float u = FLT_EPSILON / 2, coef = (float)(2 * KP + 16) * u;
+        for (int64_t i = 0; i < padded * nt; ++i) lo[i] = -FLT_MAX;
+#pragma omp parallel num_threads(nt)
+        {
+#ifdef _OPENMP
+            const int me = omp_get_thread_num();
+#else
+            const int me = 0;
+#endif
+            int32_t c[4 * 256] __attribute__((aligned(64)));
+            configure_tiles();
+#pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < VG / 2; ++pair)
+                for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+                    const int nr = rows - r0 < 16 ? (int)(rows - r0) : 16;
+                    screen_pair(wq, wv, pair, KT, KP, xh, xh + padded * KP, info, r0, nr, V, coef,
+                                hi, ldh, lo + me * padded, c);
+                }
+            _tile_release();
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            float m = -FLT_MAX;
+            for (int k = 0; k < nt; ++k) m = lo[k * padded + r] > m ? lo[k * padded + r] : m;
+            lo_max[r] = m;
+        }
+    }
+    free(xh);
+    free(info);
+    free(lo);
+    return status;
+}
 #else
 int amx_ready(void) { return 0; }
 
@@ -374,6 +563,13 @@ int amx_gemm_q4_1(const uint8_t *nib, const float *dv, const float *mv, int64_t 
                   int64_t y_stride, int num_threads) {
     (void)nib, (void)dv, (void)mv, (void)out_features, (void)in_features, (void)x;
     (void)x_stride, (void)rows, (void)y, (void)y_stride, (void)num_threads;
+    return -3;
+}
+
+int amx_screen(const int8_t *wq, const float *wv, int64_t V, int64_t K, const float *x,
+               int64_t rows, float *hi, float *lo_max, int num_threads) {
+    (void)wq, (void)wv, (void)V, (void)K, (void)x, (void)rows, (void)hi, (void)lo_max;
+    (void)num_threads;
     return -3;
 }
 #endif

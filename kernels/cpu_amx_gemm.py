@@ -8,6 +8,10 @@ the kernel builds with them, Linux grants the tile state (arch_prctl) and one ti
 this CPU gives the right sums, first in a forked child (a trap kills the child, not the engine);
 `available()` says whether all of that held. A VM may list AMX
 and not enable it; then this kernel is never called and cpu_quant_gemm runs instead.
+
+The same tiles in int8 screen the greedy rows' LM head (`amx_screen`, for
+cpu_greedy_head.ScreenedHead): whole rows of K a tile product, on a copy of the head rounded
+per vocabulary row (`pack_screen`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ LEVELS = IsaLevels(
         "amx": (
             "-mamx-tile",
             "-mamx-bf16",
+            "-mamx-int8",
             "-mavx512f",
             "-mavx512bw",
             "-mavx512vl",
@@ -44,7 +49,16 @@ LEVELS = IsaLevels(
     },  # fmt: skip
     needs={
         "amx": frozenset(
-            ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+            (
+                "amx_tile",
+                "amx_bf16",
+                "amx_int8",
+                "avx512f",
+                "avx512bw",
+                "avx512vl",
+                "avx512dq",
+                "avx512_bf16",
+            )
         ),
         "none": frozenset(),
     },
@@ -67,6 +81,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.amx_gemm_q4_1
     fn.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32]
     fn.restype = ctypes.c_int
+    lib.amx_screen.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i32]
+    lib.amx_screen.restype = ctypes.c_int
 
 
 _KERNEL = cbuild.CKernel(
@@ -192,3 +208,68 @@ def amx_gemm(
         raise MemoryError(f"amx_gemm_q4_1: no memory to pack {rows} x {in_features} inputs")
     assert status == 0, f"amx_gemm_q4_1 refused a shape the wrapper checked: {tuple(x.shape)}"
     return out
+
+
+@dataclass(frozen=True)
+class ScreenPacked:
+    """A Q8_0 head [vocab, hidden] rounded per vocabulary row for the int8 tiles
+    (cpu_amx_gemm.c amx_screen): vocab padded to a multiple of 32, hidden to one of 64."""
+
+    wq: Tensor  # [groups, k_tiles, 16, 64] int8: B tiles
+    wv: Tensor  # [groups * 16, 4] fp32: s_v, sum|w_v|, max|w_v - s_v w'_v|, |w_v|_2
+    vocab: int
+    hidden: int
+
+    @property
+    def padded_vocab(self) -> int:
+        return self.wv.shape[0]
+
+
+def pack_screen(blocks: Tensor) -> ScreenPacked:
+    """Held Q8_0 blocks [vocab, hidden / 32 * 34] uint8 -> the screen's layout (once, at load).
+    The rows' terms are computed in float64 and rounded up to fp32: they bound errors."""
+    from kernels.cpu_quant_gemv import dequantize
+
+    vocab, hidden = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES["q8_0"] * 32
+    check_blocks(blocks, "q8_0", hidden)
+    w = dequantize(blocks, "q8_0").double()  # d * q: exact in fp32, so in float64
+    scale = (w.abs().amax(1) / 127).float()  # the fp32 scale the kernel multiplies by
+    s64 = scale.double()
+    codes = torch.where(s64[:, None] > 0, torch.round(w / s64.clamp_min(1e-300)[:, None]), 0.0)
+    codes = codes.clamp(-127, 127)
+    up = 1.0 + 2.0**-20
+    terms = torch.stack([
+        scale.double(),
+        w.abs().sum(1) * up,
+        (w - s64[:, None] * codes).abs().amax(1) * up,
+        w.norm(dim=1) * up,
+    ], dim=1).float()  # fmt: skip
+    padded = -(-vocab // 32) * 32
+    k_pad = -(-hidden // 64) * 64
+    q = torch.zeros(padded, k_pad, dtype=torch.int8)
+    q[:vocab, :hidden] = codes.to(torch.int8)
+    wv = torch.zeros(padded, 4)
+    wv[:vocab] = terms
+    # a B tile's row i, byte 4 n + j: code of vocab row 16 g + n, input 64 t + 4 i + j
+    wq = q.view(padded // 16, 16, k_pad // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
+    return ScreenPacked(wq, wv, vocab, hidden)
+
+
+def amx_screen(packed: ScreenPacked, x: Tensor, hi: Tensor, lo_max: Tensor) -> bool:
+    """Each row of x's upper bounds [rows, padded_vocab] into hi and greatest lower bound into
+    lo_max [rows] (cpu_amx_gemm.c); False where x holds a value that is not finite."""
+    lib = _ready()
+    if lib is None:
+        raise RuntimeError("the AMX screen does not run here (see available() and the log)")
+    rows = x.shape[0]
+    if x.dtype != torch.float32 or tuple(x.shape) != (rows, packed.hidden) or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous [rows, {packed.hidden}] float32 tensor")
+    if hi.stride() != (packed.padded_vocab, 1) or hi.shape[0] < rows or lo_max.shape[0] < rows:
+        raise ValueError(f"hi needs [{rows}, {packed.padded_vocab}] rows, lo_max [{rows}]")
+    status = lib.amx_screen(
+        packed.wq.data_ptr(), packed.wv.data_ptr(), packed.vocab, packed.hidden, x.data_ptr(),
+        rows, hi.data_ptr(), lo_max.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status == -3:
+        raise MemoryError(f"amx_screen: no memory for {rows} rows")
+    return status == 0

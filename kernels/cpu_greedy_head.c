@@ -156,6 +156,42 @@ static void screen_group(int64_t g, int64_t r0, int nr, int64_t V, int64_t nb,
 #endif
 }
 
+/* Each row's tokens whose upper bound reaches its greatest lower bound, ascending, into cand /
+ * ncand: 0, or -2 when a row has more than max_cand (ncand still counts them). Also for the
+ * bounds the AMX screen makes (cpu_amx_gemm.c amx_screen). */
+int list_candidates(const float *hi, int64_t rows, int64_t V, int64_t ldh, const float *lo_max,
+                    int32_t *cand, int32_t *ncand, int32_t max_cand, int32_t num_threads) {
+    int nt = num_threads > 0 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float m = lo_max[r], *h = hi + r * ldh;
+        int32_t n = 0, *c = cand + r * max_cand;
+        int64_t v = 0;
+#if ISA_LEVEL == 2
+        /* 16 bounds a compare: candidates are few, so most masks are empty */
+        const __m512 mv = _mm512_set1_ps(m);
+        for (; v + LANES <= V; v += LANES) {
+            uint32_t mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(h + v), mv, _CMP_GE_OQ);
+            while (mask) {
+                const int lane = __builtin_ctz(mask);
+                mask &= mask - 1;
+                if (n < max_cand) c[n] = (int32_t)(v + lane);
+                ++n;
+            }
+        }
+#endif
+        for (; v < V; ++v)
+            if (h[v] >= m) {
+                if (n < max_cand) c[n] = (int32_t)v;
+                ++n;
+            }
+        ncand[r] = n;
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        if (ncand[r] > max_cand) return -2;
+    return 0;
+}
+
 /* Each row's tokens that may hold its argmax, ascending, into cand / ncand. Returns 0; -1 when
  * x holds a value that is not finite, -2 when a row has more than max_cand (ncand still counts
  * them), -3 without memory. The caller then computes the whole head. */
@@ -193,22 +229,11 @@ int screen_rows(const float *x, int64_t rows, int64_t V, int64_t nb, const uint8
                     screen_group(g, r0, nr, V, nb, wpack, dpack, apack, xq, dx, hx, sx128, hi, ldh,
                                  mine);
                 }
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; ++r) {
-                float m = -FLT_MAX;
-                for (int k = 0; k < nt; ++k) m = lo_max[k * rows + r] > m ? lo_max[k * rows + r] : m;
-                const float *h = hi + r * ldh;
-                int32_t n = 0, *c = cand + r * max_cand;
-                for (int64_t v = 0; v < V; ++v)
-                    if (h[v] >= m) {
-                        if (n < max_cand) c[n] = (int32_t)v;
-                        ++n;
-                    }
-                ncand[r] = n;
-            }
         }
         for (int64_t r = 0; r < rows; ++r)
-            if (ncand[r] > max_cand) status = -2;
+            for (int k = 1; k < nt; ++k)
+                lo_max[r] = lo_max[k * rows + r] > lo_max[r] ? lo_max[k * rows + r] : lo_max[r];
+        status = list_candidates(hi, rows, V, ldh, lo_max, cand, ncand, max_cand, nt);
     }
     free(xq);
     free(dx);

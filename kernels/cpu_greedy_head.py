@@ -9,7 +9,10 @@ feature on its own), decide, the first of ties winning as in torch.argmax. The h
 held a second time, repacked (~1 byte a weight). Where the kernel cannot decide (a value in h
 that is not finite, more than MAX_CANDIDATES tokens in a row), `argmax` returns None and the
 caller computes the whole head. Built at AVX-512 VNNI or in plain C, from the CPU's features at
-run time; only the VNNI build is faster than the fp32 GEMV (`fast()`).
+run time; only the VNNI build is faster than the fp32 GEMV (`fast()`). Where AMX's int8 tiles
+run (cpu_amx_gemm.available()), the sums and bounds come from them instead (cpu_amx_gemm.c
+amx_screen: each row of x cut into two int8 pieces, the head rounded per vocabulary row, whole
+rows of K a tile product), and this library lists the candidates from them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kernels import cbuild, cpu_quant_gemv
+from kernels import cbuild, cpu_amx_gemm, cpu_quant_gemv
 from kernels.cbuild import IsaLevels
 from kernels.cpu_argmax import argmax_rows
 
@@ -61,6 +64,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.screen_rows.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
     lib.screen_rows.argtypes += [_i32, _i32]
     lib.screen_rows.restype = ctypes.c_int
+    lib.list_candidates.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i32, _i32]
+    lib.list_candidates.restype = ctypes.c_int
 
 
 _KERNEL = cbuild.CKernel(
@@ -84,9 +89,12 @@ def fast() -> bool:
 
 
 class ScreenedHead:
-    """A Q8_0 head [vocab, hidden] repacked for the screen, with scratch for MAX_ROWS rows."""
+    """A Q8_0 head [vocab, hidden] repacked for the screen, with scratch for MAX_ROWS rows.
+    `amx`: the int8 tiles' screen (None: where they run), else this library's."""
 
-    def __init__(self, blocks: Tensor, lib: ctypes.CDLL | None = None) -> None:
+    def __init__(
+        self, blocks: Tensor, lib: ctypes.CDLL | None = None, amx: bool | None = None
+    ) -> None:
         lib = lib or load()
         if lib is None:
             raise RuntimeError("the screened greedy head is not available (see the log)")
@@ -94,16 +102,45 @@ class ScreenedHead:
         self.lib, self.blocks = lib, blocks
         self.vocab, nb = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES
         self.hidden = nb * BLOCK
-        groups = (self.vocab + LANES - 1) // LANES
-        self.wpack = torch.empty(groups * nb * BLOCK * LANES, dtype=torch.uint8)
-        self.dpack = torch.empty(groups * nb * LANES, dtype=torch.float32)
-        self.apack = torch.empty(groups * nb * LANES, dtype=torch.float32)
-        if lib.screen_pack_q8_0(blocks.data_ptr(), self.vocab, nb, self.wpack.data_ptr(),
-                                self.dpack.data_ptr(), self.apack.data_ptr()):  # fmt: skip
-            raise ValueError("a Q8_0 block's scale is not finite")
-        self.hi = torch.empty(MAX_ROWS, groups * LANES, dtype=torch.float32)
+        if amx is None:
+            amx = cpu_amx_gemm.available()
+        if amx and not cpu_amx_gemm.available():
+            raise RuntimeError("the AMX screen does not run here (cpu_amx_gemm.available())")
+        self.amx: cpu_amx_gemm.ScreenPacked | None = None
+        if amx:
+            if bool((blocks.view(self.vocab, nb, BLOCK_BYTES)[..., 1] & 0x7C == 0x7C).any()):
+                raise ValueError("a Q8_0 block's scale is not finite")
+            self.amx = cpu_amx_gemm.pack_screen(blocks)
+            width = self.amx.padded_vocab
+            self.lo_max = torch.empty(MAX_ROWS, dtype=torch.float32)
+        else:
+            groups = (self.vocab + LANES - 1) // LANES
+            self.wpack = torch.empty(groups * nb * BLOCK * LANES, dtype=torch.uint8)
+            self.dpack = torch.empty(groups * nb * LANES, dtype=torch.float32)
+            self.apack = torch.empty(groups * nb * LANES, dtype=torch.float32)
+            if lib.screen_pack_q8_0(blocks.data_ptr(), self.vocab, nb, self.wpack.data_ptr(),
+                                    self.dpack.data_ptr(), self.apack.data_ptr()):  # fmt: skip
+                raise ValueError("a Q8_0 block's scale is not finite")
+            width = groups * LANES
+        self.hi = torch.empty(MAX_ROWS, width, dtype=torch.float32)
         self.cand = torch.empty(MAX_ROWS, MAX_CANDIDATES, dtype=torch.int32)
         self.ncand = torch.empty(MAX_ROWS, dtype=torch.int32)
+
+    def _bounds_and_list(self, h: Tensor) -> int:
+        """The kernels' status: candidates into cand / ncand, or why not."""
+        rows, threads = h.shape[0], torch.get_num_threads()
+        if self.amx is None:
+            return self.lib.screen_rows(
+                h.data_ptr(), rows, self.vocab, self.hidden // BLOCK, self.wpack.data_ptr(),
+                self.dpack.data_ptr(), self.apack.data_ptr(), self.hi.data_ptr(),
+                self.cand.data_ptr(), self.ncand.data_ptr(), MAX_CANDIDATES, threads,
+            )  # fmt: skip
+        if not cpu_amx_gemm.amx_screen(self.amx, h, self.hi, self.lo_max):
+            return -1
+        return self.lib.list_candidates(
+            self.hi.data_ptr(), rows, self.vocab, self.hi.shape[1], self.lo_max.data_ptr(),
+            self.cand.data_ptr(), self.ncand.data_ptr(), MAX_CANDIDATES, threads,
+        )  # fmt: skip
 
     def _screen(self, h: Tensor) -> tuple[Tensor, Tensor] | None:
         """Every row's candidates, ascending, flat [n] int64, and the row of each [n]; None
@@ -115,12 +152,7 @@ class ScreenedHead:
             )
         if not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"{rows} rows; the screen takes 1 to {MAX_ROWS}")
-        status = self.lib.screen_rows(
-            h.data_ptr(), rows, self.vocab, self.hidden // BLOCK, self.wpack.data_ptr(),
-            self.dpack.data_ptr(), self.apack.data_ptr(), self.hi.data_ptr(),
-            self.cand.data_ptr(), self.ncand.data_ptr(), MAX_CANDIDATES, torch.get_num_threads(),
-        )  # fmt: skip
-        if status != 0:
+        if self._bounds_and_list(h) != 0:
             return None
         counts = self.ncand[:rows].to(torch.int64)
         if int(counts.min()) == 0:  # only where sums overflowed: the bounds say nothing

@@ -1,13 +1,15 @@
-"""The screened greedy head against the whole fp32 head's argmax, at each instruction-set level:
-the same token for every row, on rows whose int8 sums put the wrong token first (near-duplicate
-vocabulary rows), exact ties (the first wins), a vocabulary not a multiple of 16, outliers,
-and the cases it must hand back (values not finite, too many candidates)."""
+"""The screened greedy head against the whole fp32 head's argmax, at each instruction-set level
+and on AMX's int8 tiles where they run: the same token for every row, on rows whose int8 sums
+put the wrong token first (near-duplicate vocabulary rows), exact ties (the first wins), a
+vocabulary not a multiple of 16, outliers, and the cases it must hand back (values not finite,
+too many candidates)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels import cpu_amx_gemm as ag
 from kernels import cpu_greedy_head as gh
 from kernels import cpu_quant_gemv as qg
 from kernels.cpu_argmax import argmax_rows
@@ -16,7 +18,10 @@ from tests.kernels.test_cpu_quant_gemv import random_blocks
 
 pytestmark = pytest.mark.skipif(gh.load() is None, reason="no C compiler to build it")
 HERE = qg.cpu_flags()
-HIDDEN = 96  # 3 blocks of 32
+HIDDEN = 96  # 3 blocks of 32 (the AMX screen pads it to 128)
+needs_amx = pytest.mark.skipif(
+    not ag.available(), reason="AMX (tile, bf16, int8) does not run on this CPU, or no compiler"
+)
 
 
 def forced(level: str):
@@ -148,3 +153,50 @@ def test_without_a_compiler_there_is_none(tmp_path):
     finally:
         gh.configure(HeadOptions())
     assert gh.load() is not None
+
+
+@needs_amx
+@pytest.mark.parametrize("hidden", [64, HIDDEN, 576])
+def test_the_amx_screen_gives_the_whole_heads_argmax_and_bounds_every_logit(hidden):
+    """On the tiles: the same tokens as the whole head at 1 to 32 rows, every fp32 logit under
+    its upper bound and the rows' greatest lower bound under their greatest logit; near
+    duplicates are decided by their fp32 logits."""
+    for vocab, seed in ((4096, 1), (1007, 2)):
+        blocks = random_blocks("q8_0", vocab, hidden, seed=seed)
+        head = ScreenedHead(blocks, amx=True)
+        assert head.amx is not None
+        for rows in (1, 3, 16, 17, 32):
+            h = activations(rows, hidden, seed=rows)
+            logits = qg.quant_gemv(h, blocks, "q8_0")
+            assert torch.equal(head.argmax(h), argmax_rows(logits))
+            assert bool((head.hi[:rows, :vocab] >= logits).all())
+            assert bool((head.lo_max[:rows] <= logits.max(1).values).all())
+    blocks = near_duplicates(512, hidden, seed=5)
+    h = activations(32, hidden, seed=9)
+    head = ScreenedHead(blocks, amx=True)
+    assert torch.equal(head.argmax(h), full_argmax(h, blocks))
+    assert min(len(c) for c in head.candidates(h)) > 1
+
+
+@needs_amx
+def test_the_amx_pack_puts_each_code_where_the_tiles_read_it_with_its_rows_terms():
+    blocks = random_blocks("q8_0", 40, HIDDEN, seed=3)
+    packed = ag.pack_screen(blocks)
+    w = qg.dequantize(blocks, "q8_0").double()
+    assert tuple(packed.wq.shape) == (4, 2, 16, 16, 4) and packed.padded_vocab == 64
+    s, a, ew, norm = packed.wv[:40].double().unbind(1)
+    assert torch.equal(s, (w.abs().amax(1) / 127).float().double())
+    # wq[g, t, i, n, j] is the code of vocab row 16 g + n, input 64 t + 4 i + j
+    q = packed.wq.permute(0, 3, 1, 2, 4).reshape(64, 128)  # back to [vocab, input]
+    assert bool((q[40:] == 0).all()) and bool((q[:, HIDDEN:] == 0).all())  # the pads
+    err = (w - s[:, None] * q[:40, :HIDDEN].double()).abs()
+    assert bool((err.amax(1) <= ew).all()) and bool((ew <= s / 2 * 1.001).all())
+    assert bool((w.abs().sum(1) <= a).all()) and bool((w.norm(dim=1) <= norm).all())
+    assert int(q[16 + 7, 64 + 60 + 3]) == int(packed.wq[1, 1, 15, 7, 3])
+
+
+def test_the_amx_screen_is_refused_where_the_tiles_do_not_run(monkeypatch):
+    monkeypatch.setattr(ag, "available", lambda: False)
+    with pytest.raises(RuntimeError, match="AMX screen"):
+        ScreenedHead(random_blocks("q8_0", 64, HIDDEN, seed=1), amx=True)
+    assert ScreenedHead(random_blocks("q8_0", 64, HIDDEN, seed=1)).amx is None

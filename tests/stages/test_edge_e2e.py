@@ -49,7 +49,8 @@ async def pipeline(tmp_path_factory):
     file.tenants["slow"] = msgspec.structs.replace(file.tenants["slow"], requests_per_min=1)
     tenants.write_file(path, file)
     env = {settings.TENANTS.name: str(path), settings.LEDGER_DB.name: str(data / "ledger.duckdb")}
-    admission = AdmissionConfig(max_wait_s=0.001)  # a run waiting for a first token: 503
+    # a run waiting for a first token: 503, burst or not
+    admission = AdmissionConfig(max_wait_s=0.001, burst_wait_s=0.001)
     keys = KeyRing(path, (MODEL,))
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():

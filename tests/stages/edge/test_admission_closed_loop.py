@@ -4,7 +4,9 @@ of a continuously batching engine (a step's cost is a line in its tokens). The e
 reported compute rate lets the loop's steady state through, where each run's own prefill time
 (stretched by the decoding rows it shares its step with) refused it; a real backlog (more runs
 than the engine's slots, or arrivals at 2.5x what it completes) is still refused. A refused
-client waits the edge's retry-after-ms, as the openai SDK does (or Retry-After's seconds)."""
+client waits the edge's retry-after-ms, as the openai SDK does (or Retry-After's seconds), and
+sends the same request again (it keeps its place). Loops run with the steady bound alone unless
+they give the burst's (`burst_wait_s`, 1 s by default at the edge)."""
 
 from __future__ import annotations
 
