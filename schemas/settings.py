@@ -415,7 +415,8 @@ FUSED_DECODE = declare(Setting[bool](
 SCREENED_HEAD = declare(Setting[bool](
     name="BRIGADE_SCREENED_HEAD", kind="bool", default=True,
     help="greedy rows of a Q8_0 LM head: an int8 screen, then fp32 logits for the tokens it "
-    "leaves, the same tokens (kernels/cpu_greedy_head.py; AVX-512 VNNI); 0: the whole fp32 head",
+    "leaves, the same tokens (kernels/cpu_greedy_head.py; AVX-512 VNNI, or AMX int8 tiles where "
+    "they run); 0: the whole fp32 head",
     readers=("engine",),
 ))  # fmt: skip
 AMX_PREFILL = declare(Setting[bool](
