@@ -45,6 +45,7 @@
 #include <errno.h>
 #include <float.h>
 #include <math.h>
+#include "cpu_int8_scale.h"
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -416,16 +417,8 @@ static int screen_pieces(const float *x, int64_t rows, int64_t K, int64_t KP, in
                          int8_t *xl, screen_row *info) {
     for (int64_t r = 0; r < rows; ++r) {
         const float *xr = x + r * K;
-        float amax = 0.0f;
-        for (int64_t k = 0; k < K; ++k) {
-            uint32_t u;
-            memcpy(&u, xr + k, 4);
-            if ((u & 0x7f800000u) == 0x7f800000u) return -1; /* inf or NaN, on the bits */
-            const float a = fabsf(xr[k]);
-            amax = a > amax ? a : amax;
-        }
-        const int tiny = amax < 1e-30f; /* 127 / amax would overflow: the row is left out */
-        const float dx = tiny ? 0.0f : amax / 127.0f, inv = tiny ? 0.0f : 127.0f / amax;
+        float amax, dx, inv; /* dx 0: the row is left out (its whole |x| goes into tx) */
+        if (int8_scale(xr, K, &amax, &dx, &inv)) return -1;
         double tx = 0.0, l1 = 0.0, n2 = 0.0;
         for (int64_t k = 0; k < K; ++k) {
             const float t = xr[k] * inv;

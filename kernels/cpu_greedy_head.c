@@ -26,6 +26,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
+#include "cpu_int8_scale.h"
 #include "cpu_quant_blocks.h" /* ISA_LEVEL, kernel_isa(), QK, Q8_0_BYTES, half_to_float */
 #ifdef _OPENMP
 #include <omp.h>
@@ -76,16 +77,9 @@ static int quantize_row(const float *x, int64_t nb, int8_t *xq, float *dx, float
                         int32_t *sx128) {
     for (int64_t b = 0; b < nb; ++b) {
         const float *xb = x + b * QK;
-        float amax = 0.0f;
-        for (int i = 0; i < QK; ++i) {
-            uint32_t u;
-            memcpy(&u, xb + i, 4);
-            if ((u & 0x7f800000u) == 0x7f800000u) return -1; /* inf or NaN, on the bits */
-            const float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;
-        }
-        const int tiny = amax < 1e-30f; /* 127 / amax would overflow */
-        const float d = tiny ? 0.0f : amax / 127.0f, inv = tiny ? 0.0f : 127.0f / amax;
+        float amax, d, inv;
+        if (int8_scale(xb, QK, &amax, &d, &inv)) return -1;
+        const int tiny = d == 0.0f;
         int32_t s = 0;
         for (int i = 0; i < QK; ++i) {
             float r = nearbyintf(xb[i] * inv);
