@@ -401,7 +401,7 @@ int amx_gemm_q4_1(const uint8_t *nib, const float *dv, const float *mv, int64_t 
  * 32 with zero rows, K to a multiple of 64 with zeros):
  *   wq [VG][KT][16][64] int8   B tiles: for vocab group g (16 rows) and K tile t, row i holds
  *                              w'[16 g + n][64 t + 4 i + j] at byte 4 n + j
- *   wv [VG * 16][4] fp32       s_v, A_v = sum|w_v|, ew_v = max|w_v - w^_v|, |w_v|_2 (rounded up)
+ *   wv [4][VG * 16] fp32       s_v, A_v = sum|w_v|, ew_v = max|w_v - w^_v|, |w_v|_2 (rounded up)
  *   x  [rows, K] fp32 (K the unpadded width), hi [rows, VG * 16], lo_max [rows]: each row's
  *   greatest lower bound */
 #define SCREEN_MARGIN 1.0625f
@@ -465,22 +465,18 @@ static void screen_pair(const int8_t *wq, const float *wv, int64_t pair, int64_t
     _tile_stored(1, c + 256, 64);
     _tile_stored(2, c + 512, 64);
     _tile_stored(3, c + 768, 64);
-    const __m512 margin = _mm512_set1_ps(SCREEN_MARGIN), third = _mm512_set1_ps(1.0f / XL_SCALE);
+    const __m512 margin = _mm512_set1_ps(SCREEN_MARGIN), inv_xl = _mm512_set1_ps(1.0f / XL_SCALE);
     for (int g = 0; g < 2; ++g) {
         const int64_t v0 = (2 * pair + g) * 16;
         const int valid = V - v0 >= 16 ? 16 : V - v0 > 0 ? (int)(V - v0) : 0; /* not the pad */
-        /* the lanes' s, A, ew and |w|_2, out of [16][4] */
-        const __m512i idx = _mm512_set_epi32(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12,
-                                             8, 4, 0);
-        const float *w4 = wv + v0 * 4;
-        const __m512 s = _mm512_i32gather_ps(idx, w4, 4), a = _mm512_i32gather_ps(idx, w4 + 1, 4);
-        const __m512 ew = _mm512_i32gather_ps(idx, w4 + 2, 4);
-        const __m512 nw = _mm512_i32gather_ps(idx, w4 + 3, 4);
+        const __m512 s = _mm512_loadu_ps(wv + v0), a = _mm512_loadu_ps(wv + ldh + v0);
+        const __m512 ew = _mm512_loadu_ps(wv + 2 * ldh + v0);
+        const __m512 nw = _mm512_loadu_ps(wv + 3 * ldh + v0);
         for (int r = 0; r < nr; ++r) {
             const screen_row in = info[r0 + r];
             const __m512 sh = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + g * 512 + r * 16));
             const __m512 sl = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + g * 512 + 256 + r * 16));
-            const __m512 approx = _mm512_mul_ps(_mm512_fmadd_ps(sl, third, sh),
+            const __m512 approx = _mm512_mul_ps(_mm512_fmadd_ps(sl, inv_xl, sh),
                                                 _mm512_mul_ps(s, _mm512_set1_ps(in.dx)));
             __m512 bound = _mm512_mul_ps(a, _mm512_set1_ps(in.tx));
             bound = _mm512_fmadd_ps(ew, _mm512_set1_ps(in.l1), bound);

@@ -216,23 +216,26 @@ class ScreenPacked:
     (cpu_amx_gemm.c amx_screen): vocab padded to a multiple of 32, hidden to one of 64."""
 
     wq: Tensor  # [groups, k_tiles, 16, 64] int8: B tiles
-    wv: Tensor  # [groups * 16, 4] fp32: s_v, sum|w_v|, max|w_v - s_v w'_v|, |w_v|_2
+    wv: Tensor  # [4, groups * 16] fp32: s_v, sum|w_v|, max|w_v - s_v w'_v|, |w_v|_2
     vocab: int
     hidden: int
 
     @property
     def padded_vocab(self) -> int:
-        return self.wv.shape[0]
+        return self.wv.shape[1]
 
 
 def pack_screen(blocks: Tensor) -> ScreenPacked:
     """Held Q8_0 blocks [vocab, hidden / 32 * 34] uint8 -> the screen's layout (once, at load).
-    The rows' terms are computed in float64 and rounded up to fp32: they bound errors."""
+    The rows' terms are computed in float64 and rounded up to fp32: they bound errors. Raises
+    ValueError for a block's scale that is not finite."""
     from kernels.cpu_quant_gemv import dequantize
 
     vocab, hidden = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES["q8_0"] * 32
     check_blocks(blocks, "q8_0", hidden)
     w = dequantize(blocks, "q8_0").double()  # d * q: exact in fp32, so in float64
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("a Q8_0 block's scale is not finite")
     scale = (w.abs().amax(1) / 127).float()  # the fp32 scale the kernel multiplies by
     s64 = scale.double()
     codes = torch.where(s64[:, None] > 0, torch.round(w / s64.clamp_min(1e-300)[:, None]), 0.0)
@@ -243,13 +246,13 @@ def pack_screen(blocks: Tensor) -> ScreenPacked:
         w.abs().sum(1) * up,
         (w - s64[:, None] * codes).abs().amax(1) * up,
         w.norm(dim=1) * up,
-    ], dim=1).float()  # fmt: skip
+    ]).float()  # fmt: skip
     padded = -(-vocab // 32) * 32
     k_pad = -(-hidden // 64) * 64
     q = torch.zeros(padded, k_pad, dtype=torch.int8)
     q[:vocab, :hidden] = codes.to(torch.int8)
-    wv = torch.zeros(padded, 4)
-    wv[:vocab] = terms
+    wv = torch.zeros(4, padded)
+    wv[:, :vocab] = terms
     # a B tile's row i, byte 4 n + j: code of vocab row 16 g + n, input 64 t + 4 i + j
     wq = q.view(padded // 16, 16, k_pad // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
     return ScreenPacked(wq, wv, vocab, hidden)

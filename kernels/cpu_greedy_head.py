@@ -108,8 +108,6 @@ class ScreenedHead:
             raise RuntimeError("the AMX screen does not run here (cpu_amx_gemm.available())")
         self.amx: cpu_amx_gemm.ScreenPacked | None = None
         if amx:
-            if bool((blocks.view(self.vocab, nb, BLOCK_BYTES)[..., 1] & 0x7C == 0x7C).any()):
-                raise ValueError("a Q8_0 block's scale is not finite")
             self.amx = cpu_amx_gemm.pack_screen(blocks)
             width = self.amx.padded_vocab
             self.lo_max = torch.empty(MAX_ROWS, dtype=torch.float32)

@@ -519,8 +519,9 @@ EDGE_MAX_WAIT_S = declare(Setting[float](
 ))  # fmt: skip
 EDGE_BURST_WAIT_S = declare(Setting[float](
     name="BRIGADE_EDGE_BURST_WAIT_S", kind="float", default=1.0, gt=0,
-    help="the same bound for a burst that finds the edge quiet (nothing refused for 10 s), "
-    "never below BRIGADE_EDGE_MAX_WAIT_S: a burst's tail, refused, would only wait later",
+    help="the same bound for a burst that finds the edge quiet (nothing refused for 10 s) and "
+    "for a refused request sent again at its retry time, never below BRIGADE_EDGE_MAX_WAIT_S: "
+    "a burst's tail, refused, would only wait later",
     readers=("edge",),
 ))  # fmt: skip
 EDGE_MODEL_ALIASES = declare(Setting[tuple[str, ...]](

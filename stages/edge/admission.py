@@ -24,8 +24,8 @@ A request is refused when runs wait and the estimate exceeds `max_wait_s` (batch
 cache above the watermark with requests queued. A burst into a quiet gate (nothing refused for
 `quiet_s`) may wait up to `burst_wait_s` instead: refusing a burst's tail only moves its wait
 later (a closed loop's clients come back), while a sustained overload ends the quiet with its
-first refusal and is held to `max_wait_s` from then on. A lone request is never refused here: whether
-it can ever fit the model's window is the edge's and the context stage's check.
+first refusal and is held to `max_wait_s` from then on. A lone request is never refused here:
+whether it can ever fit the model's window is the edge's and the context stage's check.
 
 A refusal's retry time is when the work ahead of it will have started, and after the requests
 refused before it, each given its own prompt's prefill time: a refused burst comes back at the
@@ -274,7 +274,7 @@ class AdmissionGate:
         if slot - start > self.config.retry_spread_s:
             # a line longer than a burst's (refusals past what returns: a sustained overload,
             # clients that give up): spread over the window again instead of minutes ahead,
-            # and keep no place (more places than the window holds would all be let in)
+            # and keep no place (the slots start over, so a place would not be one)
             slot, key = start, None
         starts = self._slot_start_rate()  # where slots, not prefill, bound the starts
         self._retry_at = slot + max(found.prefill_s, 1.0 / starts if starts else 0.0)

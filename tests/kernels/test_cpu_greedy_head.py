@@ -136,7 +136,9 @@ def test_it_refuses_scales_not_finite_and_inputs_of_another_shape():
     bad = blocks.clone()
     bad[5, :2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # fp16 +inf, little-endian
     with pytest.raises(ValueError, match="not finite"):
-        ScreenedHead(bad)
+        ScreenedHead(bad)  # on the tiles where they run
+    with pytest.raises(ValueError, match="not finite"):
+        ScreenedHead(bad, amx=False)
     head = ScreenedHead(blocks)
     with pytest.raises(ValueError, match="rows"):
         head.argmax(torch.zeros(gh.MAX_ROWS + 1, HIDDEN))
@@ -184,7 +186,7 @@ def test_the_amx_pack_puts_each_code_where_the_tiles_read_it_with_its_rows_terms
     packed = ag.pack_screen(blocks)
     w = qg.dequantize(blocks, "q8_0").double()
     assert tuple(packed.wq.shape) == (4, 2, 16, 16, 4) and packed.padded_vocab == 64
-    s, a, ew, norm = packed.wv[:40].double().unbind(1)
+    s, a, ew, norm = packed.wv[:, :40].double().unbind(0)
     assert torch.equal(s, (w.abs().amax(1) / 127).float().double())
     # wq[g, t, i, n, j] is the code of vocab row 16 g + n, input 64 t + 4 i + j
     q = packed.wq.permute(0, 3, 1, 2, 4).reshape(64, 128)  # back to [vocab, input]
