@@ -132,6 +132,9 @@ class EngineStats:
     num_draft_tokens: int = 0  # speculative tokens verified
     num_accepted_draft_tokens: int = 0  # of those, tokens the model agreed with
     grammar_s: float = 0.0  # time spent computing grammar masks and advancing their matchers
+    # the fused decode forward's threads, since the model loaded (kernels/cpu_decode.Counters):
+    decode_wait_s: float = 0.0  # waiting for a phase's last items (spinning, or redoing them)
+    num_decode_redone: int = 0  # items computed twice (the second copy dropped)
 
 
 @dataclass(frozen=True)
@@ -480,6 +483,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        waste = self.model.decode_counters()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -494,4 +498,6 @@ class Engine:
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_accepted_draft_tokens=self.scheduler.num_accepted_draft_tokens,
             grammar_s=self._grammar_ns / 1e9,
+            decode_wait_s=waste.wait_ns / 1e9,
+            num_decode_redone=waste.num_dropped,
         )

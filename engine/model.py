@@ -215,6 +215,10 @@ class LlamaForCausalLM(nn.Module):
             return None
         return cpu_decode.DecodeForward(shape, layers)
 
+    def decode_counters(self) -> cpu_decode.Counters:
+        """The fused decode forward's waits and redone items (all zero without it)."""
+        return cpu_decode.counters() if self.fused is not None else cpu_decode.Counters()
+
     @torch.inference_mode()
     def forward(
         self,

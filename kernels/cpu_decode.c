@@ -378,12 +378,23 @@ static inline int64_t take(Items *it, int64_t p, int me) {
 }
 
 /* 1: this thread stores item t of phase p, then calls stored(); 0: another thread does */
+/* What the items cost beyond the work itself, per thread, summed into COUNTERS at the region's
+ * end: the items computed whose store another thread had claimed (work done twice), the phases
+ * this thread waited on, and the time it waited (spinning, or redoing open items) */
+typedef struct {
+    int64_t dropped, waits, wait_ns;
+} Waste;
+static __thread Waste waste;
+enum { C_REGIONS, C_THREAD_REGIONS, C_DROPPED, C_WAITS, C_WAIT_NS, C_COUNT };
+static int64_t COUNTERS[C_COUNT];
+
 static inline int claim_store(Items *it, int64_t p, int64_t t) {
     uint8_t *s = &it->state[it->first[p] + t];
     uint8_t cur = __atomic_load_n(s, __ATOMIC_ACQUIRE);
     while (cur < 2)
         if (__atomic_compare_exchange_n(s, &cur, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             return 1;
+    ++waste.dropped;
     return 0;
 }
 
@@ -410,16 +421,20 @@ static inline int item_open(Items *it, int64_t p, int64_t t) {
 #define RUN_PHASE(p, DO)                                                          \
     do {                                                                          \
         for (int64_t t_; (t_ = take(&items, (p), me)) >= 0;) DO(t_);              \
-        long since_ = 0;                                                          \
+        long since_ = 0, first_ = 0;                                              \
         for (int spins_ = 0; !phase_done(&items, (p));) {                         \
             cpu_relax();                                                          \
             if (++spins_ % 32) continue;                                          \
             const long now_ = now_ns();                                           \
-            if (since_ == 0) since_ = now_;                                       \
+            if (since_ == 0) since_ = first_ = now_;                              \
             if (now_ - since_ < redo_after_ns) continue;                          \
             for (int64_t t_ = 0; t_ < items.count[(p)]; ++t_)                     \
                 if (item_open(&items, (p), t_)) DO(t_);                           \
             since_ = now_ns();                                                    \
+        }                                                                         \
+        if (since_) {                                                             \
+            ++waste.waits;                                                        \
+            waste.wait_ns += now_ns() - first_;                                   \
         }                                                                         \
     } while (0)
 
@@ -633,8 +648,21 @@ int decode_forward_f32(int32_t num_layers, const int64_t *layers, const int32_t 
             RUN_PHASE(ph + 8, DOWN);
         }
         free(scores);
+        __atomic_add_fetch(&COUNTERS[C_THREAD_REGIONS], 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&COUNTERS[C_DROPPED], waste.dropped, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&COUNTERS[C_WAITS], waste.waits, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&COUNTERS[C_WAIT_NS], waste.wait_ns, __ATOMIC_RELAXED);
+        waste = (Waste){0, 0, 0};
     }
+    __atomic_add_fetch(&COUNTERS[C_REGIONS], 1, __ATOMIC_RELAXED);
     free(items.state);
     free(book);
     return failed ? -2 : 0;
+}
+
+/* The counters since the library loaded, into out[C_COUNT]: regions (calls), threads' regions,
+ * items computed and dropped (another thread stored them first), phases waited on (past 32
+ * pauses), and the nanoseconds those waits took. */
+void decode_counters(int64_t *out) {
+    for (int c = 0; c < C_COUNT; ++c) out[c] = __atomic_load_n(&COUNTERS[c], __ATOMIC_RELAXED);
 }

@@ -14,7 +14,7 @@ No compiler, or `enabled=False`: `load()` returns None and the model runs layer 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +47,8 @@ class DecodeOptions(cbuild.KernelOptions):
 def _bind(lib: ctypes.CDLL) -> None:
     lib.decode_forward_f32.argtypes = _ARGTYPES
     lib.decode_forward_f32.restype = ctypes.c_int
+    lib.decode_counters.argtypes = [_ptr]
+    lib.decode_counters.restype = None
 
 
 _KERNEL = cbuild.CKernel(
@@ -66,6 +68,33 @@ library_isa = cpu_quant_gemv.LEVELS.of
 
 def available() -> bool:
     return load() is not None
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What the fused forward's items cost beyond their work, since the kernel loaded: a thread
+    that runs out of items waits for the phase's last stores (`num_waits`, `wait_ns`; waits
+    past 32 pauses), redoing what is still open after REDO_AFTER_NS, and an item computed by
+    two threads is dropped by the one that stores second (`num_dropped`: work done twice)."""
+
+    num_calls: int = 0
+    num_thread_calls: int = 0
+    num_dropped: int = 0
+    num_waits: int = 0
+    wait_ns: int = 0
+
+    def __sub__(self, other: Counters) -> Counters:
+        return Counters(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+def counters(lib: ctypes.CDLL | None = None) -> Counters:
+    """The counters of the loaded kernel (all zero when it is not loaded)."""
+    lib = lib or load()
+    if lib is None:
+        return Counters()
+    out = (ctypes.c_int64 * 5)()
+    lib.decode_counters(out)
+    return Counters(*out)
 
 
 @dataclass(frozen=True)

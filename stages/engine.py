@@ -177,6 +177,10 @@ class EngineStage(InputService):
             "num_waiting": stats.num_waiting,
             "iteration_tokens": self.step_tokens.as_detail(),
             "compute_tok_s": self._compute_tok_s(),
+            # the fused decode forward's threads, since the model loaded: waits for a phase's
+            # last items, and items computed twice (a thread preempted mid-item)
+            "decode_wait_s": round(stats.decode_wait_s, 6),
+            "num_decode_redone": stats.num_decode_redone,
         }
 
     async def admit(self, held: Held, event: PromptTokenized) -> None:

@@ -304,6 +304,33 @@ def test_items_taken_or_redone_by_any_thread_change_no_bit(model, monkeypatch, r
             assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
+def test_its_counters_count_calls_threads_and_the_work_waited_for(model):
+    """One call at 2 threads counts one call and two threads' regions, and the model reports
+    the same counters the engine puts in its stats. At 8 threads on this machine's cores some
+    thread is preempted mid-item, so others wait for it; whatever was computed twice is
+    counted, never more than the step's items."""
+    ids, positions, attn = step(CASES["thirty-two rows"])
+    d, kvh = model.config.head_dim, model.config.num_kv_heads
+    before = torch.get_num_threads()
+    deltas = {}
+    try:
+        for threads in (2, 8):
+            torch.set_num_threads(threads)
+            first = model.decode_counters()
+            model(ids, positions, random_caches(1, d, kvh), attn)
+            deltas[threads] = model.decode_counters() - first
+    finally:
+        torch.set_num_threads(before)
+    two, eight = deltas[2], deltas[8]
+    assert (two.num_calls, two.num_thread_calls) == (1, 2)
+    assert (eight.num_calls, eight.num_thread_calls) == (1, 8)
+    assert eight.num_waits > 0 and eight.wait_ns > 0
+    phases = model.config.num_layers * 9
+    assert two.num_waits <= 2 * phases and eight.num_waits <= 8 * phases
+    rows = 32  # the step's items at most: every phase's items, each computed by every thread
+    assert 0 <= eight.num_dropped <= 7 * phases * rows * model.config.num_heads
+
+
 def test_a_row_sums_the_same_whichever_many_rows_share_its_step(model):
     """From OUTER_MIN_ROWS (28) rows the linears take the rows as vector lanes (AVX-512;
     below it, and at other levels, the GEMV's panels): each lane's sums are its own row's, so a
