@@ -209,6 +209,12 @@ ARCHIVE_DIR = declare(Setting[Path | None](
     help="the event log's Parquet files: the archiver writes them, the log tools read them",
     readers=("archiver", "log"),
 ))  # fmt: skip
+ARCHIVER_PACE_S = declare(Setting[float](
+    name="BRIGADE_ARCHIVER_PACE_S", kind="float", default=0.5, ge=0, le=4.0,
+    help="seconds the archiver waits after a fetch that found less than a batch, so what the "
+    "log stores meanwhile comes in one delivery, not a wake-up every few events",
+    readers=("archiver",),
+))  # fmt: skip
 TENANTS = declare(Setting[Path | None](
     name="BRIGADE_TENANTS", kind="path", default=None,
     default_text="$BRIGADE_DATA_DIR/tenants.toml",

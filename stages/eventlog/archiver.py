@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import NotFoundError
 
-from schemas import subjects
+from schemas import settings, subjects
 from schemas.logrows import default_archive_dir, row_from_message
 from stages.eventlog.parquet import ParquetLog
 from stages.runtime.bus import Bus
@@ -40,6 +40,10 @@ class ArchiverConfig:
     max_rows: int = 5000
     max_age_s: float = 5.0  # the tools read the stream beyond the archive, so files can be few
     fetch_batch: int = 500
+    # after a fetch that did not fill its batch, wait this long before the next: what the
+    # stream stores meanwhile then comes in one delivery, not a wake-up (of this process and
+    # the server's delivery to it) for every few events while tokens stream
+    pace_s: float = 0.5
     ack_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -47,10 +51,15 @@ class ArchiverConfig:
             raise ValueError(
                 f"max_rows={self.max_rows} and fetch_batch={self.fetch_batch} must be >= 1"
             )
-        if self.max_age_s <= 0 or self.ack_wait_s <= self.max_age_s:
+        if (
+            self.max_age_s <= 0
+            or self.pace_s < 0
+            or self.ack_wait_s <= self.max_age_s + self.pace_s
+        ):
             raise ValueError(
-                f"need 0 < max_age_s ({self.max_age_s}) < ack_wait_s ({self.ack_wait_s}): "
-                "a file must be cut before its messages are redelivered"
+                f"need 0 < max_age_s ({self.max_age_s}), 0 <= pace_s ({self.pace_s}) and "
+                f"max_age_s + pace_s < ack_wait_s ({self.ack_wait_s}): a file must be cut before "
+                "its messages are redelivered"
             )
 
 
@@ -117,8 +126,8 @@ class Archiver(Service):
             )
         self._sub = await js.pull_subscribe_bind(durable=DURABLE, stream=subjects.EVENTS_STREAM)
 
-    async def _step(self, timeout: float) -> None:
-        """One fetch, then a flush when a file is due. A fetch that finds nothing is not an
+    async def _step(self, timeout: float) -> int:
+        """One fetch, then a flush when a file is due; returns the messages fetched. A fetch that finds nothing is not an
         error; one the bus refuses raises, and the caller waits and retries: what was fetched
         and not flushed stays buffered, what was flushed and not acked is skipped when the
         server redelivers it (its seq is on disk)."""
@@ -130,6 +139,7 @@ class Archiver(Service):
             self.accept(msg)
         if self.due() or (not self._rows and self._to_ack is not None):
             await self.flush()
+        return len(msgs)
 
     def accept(self, msg: Msg) -> None:
         """Buffer one delivered message (or skip it when its sequence is already on disk)."""
@@ -203,8 +213,11 @@ class Archiver(Service):
         backoff.reset()
         while not stopping.is_set():
             try:
-                await self._step(timeout)
+                fetched = await self._step(timeout)
                 backoff.reset()
+                if 0 < fetched < self.config.fetch_batch:  # caught up: let the next batch gather
+                    with anyio.move_on_after(self.config.pace_s):
+                        await stopping.wait()
             except Exception as err:  # noqa: BLE001 - the bus away (an election, a restart)
                 if not bus_unavailable(err):
                     raise
@@ -235,7 +248,13 @@ def spec(config: ArchiverConfig | None = None) -> StageSpec:
     schemas.logrows.default_archive_dir(), read when the stage starts."""
 
     def service(ctx: StageContext, state: None) -> Archiver:
-        return Archiver(ctx.bus, config or ArchiverConfig(archive_dir=default_archive_dir()))
+        return Archiver(
+            ctx.bus,
+            config
+            or ArchiverConfig(
+                archive_dir=default_archive_dir(), pace_s=settings.ARCHIVER_PACE_S.get()
+            ),
+        )
 
     # the final write on stop gets the drain; past it the rows are redelivered (not acked)
     return StageSpec(name="archiver", service=service, drain_s=30.0)

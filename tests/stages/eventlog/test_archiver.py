@@ -228,3 +228,47 @@ async def test_it_waits_out_a_cluster_without_quorum_at_start_then_archives(tmp_
         assert [row[0] for row in archived(tmp_path / "archive")] == list(range(1, last + 1))
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize(
+    ("pace_s", "max_spread_s", "min_spread_s"), [(1.0, 0.1, 0.0), (0.0, None, 0.25)]
+)
+async def test_caught_up_it_waits_so_the_next_events_come_in_one_fetch(
+    bus_config: BusConfig, tmp_path: Path, pace_s, max_spread_s, min_spread_s
+):
+    """After a fetch that did not fill its batch the archiver waits `pace_s`: eight events
+    published 50 ms apart meanwhile arrive in one fetch (taken within a few ms of each other),
+    not one wake-up each. Without the pace they are taken as they come, spread over ~350 ms."""
+    config = ArchiverConfig(archive_dir=tmp_path / "archive", max_age_s=5.0, pace_s=pace_s)
+    bus = await Bus.connect(bus_config)
+    await bus.ensure_streams()
+    archiver = Archiver(bus, config)
+    taken: list[float] = []
+    accept = archiver.accept
+
+    def stamped(msg) -> None:
+        taken.append(anyio.current_time())
+        accept(msg)
+
+    archiver.accept = stamped  # type: ignore[method-assign]
+    stop = anyio.Event()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(archiver.run, stop)
+            await bus.publish(ev.RunCompleted(request_id="first", finish_reason="length"))
+            with anyio.fail_after(10):
+                while not taken:
+                    await anyio.sleep(0.01)
+            for i in range(8):
+                await bus.publish(ev.RunCompleted(request_id=f"later-{i}", finish_reason="length"))
+                await anyio.sleep(0.05)
+            with anyio.fail_after(10):
+                while len(taken) < 9:
+                    await anyio.sleep(0.01)
+            stop.set()
+    finally:
+        await bus.close()
+    spread = taken[-1] - taken[1]
+    if max_spread_s is not None:
+        assert spread < max_spread_s, taken
+    assert spread >= min_spread_s, taken
