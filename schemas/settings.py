@@ -209,6 +209,13 @@ ARCHIVE_DIR = declare(Setting[Path | None](
     help="the event log's Parquet files: the archiver writes them, the log tools read them",
     readers=("archiver", "log"),
 ))  # fmt: skip
+NATS_MAX_PROCS = declare(Setting[int](
+    name="BRIGADE_NATS_MAX_PROCS", kind="int", default=1, ge=0,
+    help="GOMAXPROCS of the nats-server `brigade up` starts (0: Go's default, every CPU); one "
+    "keeps its wake-ups, and the engine threads they preempt, to half on two cores. GOMAXPROCS "
+    "set in the environment wins",
+    readers=("up", "bench"),
+))  # fmt: skip
 ARCHIVER_PACE_S = declare(Setting[float](
     name="BRIGADE_ARCHIVER_PACE_S", kind="float", default=0.5, ge=0, le=4.0,
     help="seconds the archiver waits after a fetch that found less than a batch, so what the "

@@ -89,9 +89,11 @@ def start(
     max_payload: int = MAX_PAYLOAD_BYTES,
     port: int | None = None,
     timeout_s: float = 15.0,
+    max_procs: int | None = None,
 ) -> NatsServer:
     """Start a private server on 127.0.0.1 (a random port unless `port`) with JetStream data
-    under `data_dir`.
+    under `data_dir`, on `max_procs` Go processors (None: BRIGADE_NATS_MAX_PROCS; 0: every CPU;
+    GOMAXPROCS in the environment wins).
 
     Call from the main thread: the server is tied to the starting thread's life (Linux).
     """
@@ -110,9 +112,14 @@ def start(
         "-m", "-1",
         "--ports_file_dir", str(ports_dir),
     ]  # fmt: skip
+    env = dict(os.environ)
+    max_procs = settings.NATS_MAX_PROCS.get() if max_procs is None else max_procs
+    if max_procs and "GOMAXPROCS" not in env:
+        env["GOMAXPROCS"] = str(max_procs)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             cmd,
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -85,3 +85,32 @@ def test_a_server_on_4222_does_not_matter(tmp_path: Path) -> None:
     finally:
         blocker.close()
     assert not _alive(first.pid) and not _alive(second.pid)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().partition("=")[::2] for e in raw if e)
+
+
+@pytest.mark.nats
+@pytest.mark.parametrize(
+    ("max_procs", "inherited", "expected"),
+    [(None, None, "1"), (0, None, None), (3, None, "3"), (1, "2", "2")],
+    ids=["default one", "go's own", "three", "environment wins"],
+)
+def test_the_server_runs_on_the_go_processors_asked(
+    tmp_path: Path, monkeypatch, max_procs, inherited, expected
+) -> None:
+    """The embedded server runs on BRIGADE_NATS_MAX_PROCS Go processors (default 1: half the
+    wake-ups of two on a two-core machine, see docs/benchmarks.md); 0 leaves Go's default, and
+    GOMAXPROCS set by the user wins."""
+    monkeypatch.delenv("BRIGADE_NATS_MAX_PROCS", raising=False)
+    if inherited is None:
+        monkeypatch.delenv("GOMAXPROCS", raising=False)
+    else:
+        monkeypatch.setenv("GOMAXPROCS", inherited)
+    server = natsd.start(tmp_path, max_procs=max_procs)
+    try:
+        assert _environ(server.pid).get("GOMAXPROCS") == expected
+    finally:
+        natsd.stop(server)
