@@ -92,7 +92,9 @@ class BusTarget:
 
 
 class SseTarget:
-    """POST /v1/chat/completions with stream=true at the edge; reads the SSE chunks."""
+    """POST /v1/chat/completions with stream=true at the edge; reads the SSE chunks (with the
+    lean client of tools/bench/sse_client.py: a chunk is stamped as it arrives and parsed after
+    the answer ends, so the client's own CPU stays off the cores it measures)."""
 
     name = "sse"
 
@@ -113,17 +115,14 @@ class SseTarget:
         self.retries_on_503 = retries_on_503
 
     async def __aenter__(self) -> SseTarget:
-        import httpx
-
-        self.client = httpx.AsyncClient(
-            timeout=self.timeout_s, limits=httpx.Limits(max_connections=1000)
-        )
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.client.aclose()
+        return None
 
     async def run_one(self, item: WorkItem, request_id: str) -> Sample:
+        from tools.bench.sse_client import post_stream
+
         body = {
             "model": self.model,
             "messages": [{"role": "user", "content": item.prompt}],
@@ -135,42 +134,38 @@ class SseTarget:
         }
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         sample = Sample(index=item.index)
-        deltas: list[tuple[int, str]] = []
-        finish = None
         sent = time.time_ns()
         try:
             while True:
-                async with self.client.stream("POST", self.url, json=body, headers=headers) as resp:
-                    sample.request_id = resp.headers.get("x-request-id")
-                    if resp.status_code == 503 and sample.retries < self.retries_on_503:
-                        sample.retries += 1
-                        wait = _retry_after_s(resp.headers)
-                        await resp.aread()
-                        await anyio.sleep(min(wait, 60.0))
-                        continue
-                    if resp.status_code != 200:
-                        sample.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
-                        return sample
-                    async for line in resp.aiter_lines():
-                        now = time.time_ns()
-                        if not line.startswith("data: "):
-                            continue
-                        if line == "data: [DONE]":
-                            break
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            sample.error = str(chunk["error"])
-                            return sample
-                        choice = (chunk.get("choices") or [{}])[0]
-                        content = (choice.get("delta") or {}).get("content")
-                        if content:
-                            deltas.append((now, content))
-                        finish = choice.get("finish_reason") or finish
-                    break
+                resp = await post_stream(self.url, body, headers, self.timeout_s)
+                sample.request_id = resp.headers.get("x-request-id")
+                if resp.status == 503 and sample.retries < self.retries_on_503:
+                    sample.retries += 1
+                    await anyio.sleep(min(_retry_after_s(resp.headers), 60.0))
+                    continue
+                break
         except Exception as err:  # noqa: BLE001 - a failed request is a sample, not a crash
             sample.error = f"{type(err).__name__}: {err}"
             return sample
-        sample = _finish(sample, item, sent, time.time_ns(), deltas)
+        if resp.status != 200:
+            sample.error = f"HTTP {resp.status}: {resp.body[:300]!r}"
+            return sample
+        deltas: list[tuple[int, str]] = []
+        finish = None
+        for now, data in resp.events():
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                sample.error = str(chunk["error"])
+                return sample
+            choice = (chunk.get("choices") or [{}])[0]
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                deltas.append((now, content))
+            finish = choice.get("finish_reason") or finish
+        end = resp.pieces[-1][0] if resp.pieces else time.time_ns()
+        sample = _finish(sample, item, sent, end, deltas)
         if finish not in ("stop", "length"):
             sample.ok, sample.error = False, f"finish_reason {finish}"
         return sample
