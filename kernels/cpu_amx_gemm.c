@@ -1,21 +1,24 @@
 /* fp32 GEMM over GGUF Q4_1 blocks on AMX's bf16 tiles: y = x W^T for many rows of x (prefill
- * chunks), to the fp32 matmul's accuracy, not bf16's.
+ * chunks), with sixteen significant bits of x, not bf16's eight.
  *
  * A Q4_1 weight is d * q + m: q a 4-bit code, d and m the block's scales (fp16 in the file, so
  * 11 significant bits each). So for one block b of 32 inputs,
  *     sum_i x_i w_i = sum_i x_i (d q_i) + m * sum_i x_i,
- * and every factor splits exactly into a few bf16 pieces (8 significant bits each):
- *   - d q_i has at most 15 significant bits: two pieces, hi + lo, hold it exactly;
+ * and every factor splits into bf16 pieces (8 significant bits each):
+ *   - d q_i has at most 15 significant bits: two pieces, hi + lo (hi its top 8 bits, cut by
+ *     truncation), hold it exactly, |lo| < 2^-7 |d q_i|;
  *   - m: two pieces, exactly;
- *   - x_i (fp32, 24 bits): three pieces, xh + xm + xl, exactly (each the rounding of what the
- *     pieces before it left; 8 bits and a sign each).
- * AMX's TDPBF16PS multiplies bf16 pairs exactly into fp32 and adds in fp32, so five products,
- * xh*hi + xm*hi + xl*hi + xh*lo + xm*lo, give every term down to 2^-18 of |x d q| (the one left
- * out, xl*lo, is below 2^-26 of it, under fp32's own rounding). The m terms are the same GEMM
- * over extra K: the rows' block sums (fp32, three pieces) against m (two pieces). The sums are
- * fp32 throughout, in another order than an fp32 matmul's, so the result is that matmul's up to
- * summation order, as the FMA kernels' are (cpu_quant_gemm.c), from 5 bf16 tile products where
- * AVX-512 does one fp32 FMA each.
+ *   - x_i (fp32, 24 bits): two pieces, xh + xm, each rounded to nearest (xh of x_i, xm of what
+ *     xh left, exact in fp32): |x_i - xh - xm| <= 2^-16 |x_i|, |xm| <= 2^-8 |x_i|.
+ * AMX's TDPBF16PS multiplies bf16 pairs exactly into fp32 and adds in fp32, so three products,
+ * xh*hi + xm*hi + xh*lo, give each term x_i d q_i within 2^-16 + 2^-15 < 2^-14 of |x_i d q_i|
+ * (what x lost, and the product left out, xm*lo). Both errors are unbiased (x's pieces are
+ * rounded to nearest, xm's sign is the rounding's), so over K terms they grow as sqrt(K), not K.
+ * The m terms are the same GEMM over extra K: the rows' block sums (fp32, two pieces) against
+ * m (two pieces). The sums are fp32 throughout. Three tile products an fp32 multiply-add; the
+ * fp32 matmul up to summation order took five (x in three pieces, every product but xl*lo),
+ * and a 512-token prefill's GEMMs 1.3x as long (docs/benchmarks.md). The AVX-512 FMA kernels
+ * (cpu_quant_gemm.c, `amx_prefill=False`) stay the exact path.
  *
  * Layouts, made once at load by kernels/cpu_amx_gemm.py (pack) from the held Q4_1 blocks, output
  * features padded to a multiple of 32 (two panels of 16, one tile's columns each):
@@ -167,13 +170,22 @@ double amx_tile_flops(int64_t iters, int threads) {
     return (double)threads * (double)iters * 4.0 * 2.0 * 16 * 16 * 32;
 }
 
-/* The pieces are cut by truncation: a value's top 8 significant bits (its fp32 bits with the
- * low 16 cleared, a bf16 exactly), then what is left, exact in fp32, cut the same way. */
+/* The weights' pieces are cut by truncation: a value's top 8 significant bits (its fp32 bits
+ * with the low 16 cleared, a bf16 exactly), then what is left, exact in fp32 and a bf16 too. */
 #define HIGH_BITS 0xffff0000u
 
 static inline __m512 truncated(__m512 v) {
     return _mm512_castsi512_ps(
         _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)HIGH_BITS)));
+}
+
+/* v rounded to its nearest bf16 (ties to even), as fp32: x's pieces. Finite v only (a value
+ * within half a bf16 step of FLT_MAX would round to infinity; activations are far below). */
+static inline __m512 rounded(__m512 v) {
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32((int)HIGH_BITS)));
 }
 
 /* 32 fp32 whose low 16 bits are zero (lo: lanes 0..15, hi: 16..31) -> the 32 bf16, in order. */
@@ -185,15 +197,12 @@ static inline void store_bf16(uint16_t *dst, __m512 lo, __m512 hi) {
                                                        _mm512_castps_si512(hi)));
 }
 
-/* 32 fp32 -> three bf16 rows of 32, xh + xm + xl = the values exactly (8 + 8 + 8 bits). */
-static inline void split3(__m512 lo, __m512 hi, uint16_t *h, uint16_t *m, uint16_t *l) {
-    const __m512 hl = truncated(lo), hh = truncated(hi);
-    lo = _mm512_sub_ps(lo, hl);
-    hi = _mm512_sub_ps(hi, hh);
-    const __m512 ml = truncated(lo), mh = truncated(hi);
+/* 32 fp32 -> two bf16 rows of 32, xh + xm within 2^-16 of the values: xh each value rounded to
+ * nearest, xm what it left (exact in fp32) rounded to nearest. */
+static inline void split_x(__m512 lo, __m512 hi, uint16_t *h, uint16_t *m) {
+    const __m512 hl = rounded(lo), hh = rounded(hi);
     store_bf16(h, hl, hh);
-    store_bf16(m, ml, mh);
-    store_bf16(l, _mm512_sub_ps(lo, ml), _mm512_sub_ps(hi, mh));
+    store_bf16(m, rounded(_mm512_sub_ps(lo, hl)), rounded(_mm512_sub_ps(hi, hh)));
 }
 
 /* 32 fp32 of at most 16 significant bits (d * q, or m) -> two bf16 rows, hi + lo = them. */
@@ -204,7 +213,7 @@ static inline void split2(__m512 lo, __m512 hi, uint16_t *h, uint16_t *l) {
 }
 
 /* Rows r0 .. r0 + 15 of x (those < rows; the rest zero) -> their A tiles:
- * xa [kbt][3][16][32] bf16, nb blocks of x, then ne blocks of the rows' block sums. */
+ * xa [kbt][2][16][32] bf16, nb blocks of x, then ne blocks of the rows' block sums. */
 static void pack_rows(const float *x, int64_t x_stride, int64_t rows, int64_t r0, int nb, int ne,
                       uint16_t *xa, float *sums /* [16][ne * 32] */) {
     memset(sums, 0, sizeof(float) * 16 * ne * QK);
@@ -212,22 +221,21 @@ static void pack_rows(const float *x, int64_t x_stride, int64_t rows, int64_t r0
         const int live = r0 + r < rows;
         const float *xr = x + (r0 + r) * x_stride;
         for (int b = 0; b < nb; ++b) {
-            uint16_t *t = xa + (int64_t)b * 3 * (PIECE_BYTES / 2) + r * QK;
+            uint16_t *t = xa + (int64_t)b * 2 * (PIECE_BYTES / 2) + r * QK;
             __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
             if (live) {
                 lo = _mm512_loadu_ps(xr + b * QK);
                 hi = _mm512_loadu_ps(xr + b * QK + 16);
                 sums[r * ne * QK + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
             }
-            split3(lo, hi, t, t + PIECE_BYTES / 2, t + PIECE_BYTES);
+            split_x(lo, hi, t, t + PIECE_BYTES / 2);
         }
     }
     for (int e = 0; e < ne; ++e)
         for (int r = 0; r < 16; ++r) {
-            uint16_t *t = xa + (int64_t)(nb + e) * 3 * (PIECE_BYTES / 2) + r * QK;
+            uint16_t *t = xa + (int64_t)(nb + e) * 2 * (PIECE_BYTES / 2) + r * QK;
             const float *s = sums + r * ne * QK + e * QK;
-            split3(_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16), t, t + PIECE_BYTES / 2,
-                   t + PIECE_BYTES);
+            split_x(_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16), t, t + PIECE_BYTES / 2);
         }
 }
 
@@ -280,20 +288,18 @@ static void tile_2x2(const uint16_t *xa0, const uint16_t *xa1, const uint16_t *w
         _tile_dpbf16ps(3, 5, 7);                \
     } while (0)
     for (int b = 0; b < kbt; ++b) {
-        const uint16_t *a0 = xa0 + (int64_t)b * 3 * (PIECE_BYTES / 2);
-        const uint16_t *a1 = xa1 + (int64_t)b * 3 * (PIECE_BYTES / 2);
+        const uint16_t *a0 = xa0 + (int64_t)b * 2 * (PIECE_BYTES / 2);
+        const uint16_t *a1 = xa1 + (int64_t)b * 2 * (PIECE_BYTES / 2);
         const uint16_t *w = wb + (int64_t)b * 4 * (PIECE_BYTES / 2);
-        /* the weights' hi piece against x's three */
+        /* the weights' hi piece against x's two */
         _tile_loadd(6, w, 64);
         _tile_loadd(7, w + PIECE_BYTES / 2, 64);
         FOUR_PRODUCTS(0);
         FOUR_PRODUCTS(PIECE_BYTES / 2);
-        FOUR_PRODUCTS(PIECE_BYTES);
-        /* the lo piece against xh and xm */
+        /* the lo piece against xh */
         _tile_loadd(6, w + PIECE_BYTES, 64);
         _tile_loadd(7, w + 3 * (PIECE_BYTES / 2), 64);
         FOUR_PRODUCTS(0);
-        FOUR_PRODUCTS(PIECE_BYTES / 2);
     }
 #undef FOUR_PRODUCTS
     _tile_stored(0, tmp, 128);
@@ -331,7 +337,7 @@ int amx_gemm_q4_1(const uint8_t *nib, const float *dv, const float *mv, int64_t 
     const int nb = (int)(in_features / QK), ne = (nb + QK - 1) / QK, kbt = nb + ne;
     const int64_t num_pairs = (out_features + 31) / 32;
     const int64_t row_tiles = (rows + 31) / 32 * 2; /* in pairs: rows padded to 32 */
-    const int64_t tile_elems = (int64_t)kbt * 3 * (PIECE_BYTES / 2); /* one row tile's A */
+    const int64_t tile_elems = (int64_t)kbt * 2 * (PIECE_BYTES / 2); /* one row tile's A */
     const int64_t wb_elems = (int64_t)kbt * 4 * (PIECE_BYTES / 2);
     int64_t pairs_per_super = SUPER_BYTES / (2 * tile_elems * 2);
     if (pairs_per_super < 1) pairs_per_super = 1;

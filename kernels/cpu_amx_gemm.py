@@ -1,9 +1,9 @@
 """fp32 GEMMs over GGUF Q4_1 blocks on AMX's bf16 tiles (cpu_amx_gemm.c), for prefill chunks.
 
 `amx_gemm(x, packed)` is x [rows, in] fp32 times the weight `pack(blocks)` holds, transposed:
-every factor split exactly into bf16 pieces (x into three, d * q and m into two), five tile
-products summed in fp32, so the result is the fp32 matmul's up to summation order, as
-cpu_quant_gemm's is. Used only where it works: the CPU lists AMX (tile, bf16) and AVX-512 BF16,
+d * q and m split exactly into two bf16 pieces, x into two rounded to nearest (16 significant
+bits), three tile products summed in fp32, so each term is within 2^-14 of |x w| and the errors
+are unbiased (cpu_amx_gemm.c); cpu_quant_gemm's FMA kernels are the exact fp32 path. Used only where it works: the CPU lists AMX (tile, bf16) and AVX-512 BF16,
 the kernel builds with them, Linux grants the tile state (arch_prctl) and one tile product on
 this CPU gives the right sums, first in a forked child (a trap kills the child, not the engine);
 `available()` says whether all of that held. A VM may list AMX
@@ -31,7 +31,7 @@ from kernels.cpu_quant_gemv import BLOCK_BYTES, Q4_1_CODES, check_blocks
 
 SOURCE = Path(__file__).with_name("cpu_amx_gemm.c")
 PANEL = 16  # output features a tile's columns hold; panels go in pairs
-PIECE_PRODUCTS = 5  # bf16 tile products an fp32 multiply-add costs (cpu_amx_gemm.c)
+PIECE_PRODUCTS = 3  # bf16 tile products an fp32 multiply-add costs (cpu_amx_gemm.c)
 FLAG_SETS = (("-O2", "-fopenmp"), ("-O2",))
 LEVELS = IsaLevels(
     compiler_flags={

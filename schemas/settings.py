@@ -435,8 +435,8 @@ SCREENED_HEAD = declare(Setting[bool](
 AMX_PREFILL = declare(Setting[bool](
     name="BRIGADE_AMX_PREFILL", kind="bool", default=True,
     help="fp32 Q4_1 steps of more than 32 rows (prefill) run their GEMMs on AMX bf16 tiles, "
-    "every factor split exactly into bf16 pieces, fp32 sums (kernels/cpu_amx_gemm.py), where "
-    "AMX works; 0: the AVX-512 / AVX2 block GEMM",
+    "the weights split exactly into bf16 pieces, x into two (16 bits), fp32 sums "
+    "(kernels/cpu_amx_gemm.py), where AMX works; 0: the AVX-512 / AVX2 block GEMM, exact fp32",
     readers=("engine",),
 ))  # fmt: skip
 CPU_KERNEL = declare(Setting[bool](

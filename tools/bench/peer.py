@@ -15,8 +15,8 @@ whether the single-stream target sits above the ceiling. And the ceiling over pr
 a prompt token costs 2 flops a weight of the layers' projections, so no fp32 engine prefills
 faster than the CPU's FMA peak (kernels/cpu_fma_peak.py) over them; the bench says whether the
 prefill target sits above it. Where the engine's prefill GEMMs run on AMX tiles
-(kernels/cpu_amx_gemm.py), the FMA peak does not bound them: the tiles' own peak over the five
-bf16 products an fp32 term costs there is that path's ceiling, reported beside it.
+(kernels/cpu_amx_gemm.py), the FMA peak does not bound them: the tiles' own peak over the three
+bf16 products an fp32 term costs there (x to 16 bits) is that path's ceiling, reported beside it.
 Writes peer.md and peer.json.
 """
 
@@ -370,7 +370,7 @@ def markdown(res: dict) -> str:
             )
         if pre.get("amx_ceiling_tok_s"):
             lines[-1] += (
-                f" Brigade's prefill GEMMs run on AMX tiles here, five bf16 products an fp32 "
+                f" Brigade's prefill GEMMs run on AMX tiles here, three bf16 products an fp32 "
                 f"term, which the FMA ceiling does not bound: the tiles issue at most "
                 f"{pre['amx_peak_gflop_s']:,} bf16 GFLOP/s, so that path prefills at most "
                 f"{pre['amx_ceiling_tok_s']:,.1f} tok/s"

@@ -85,7 +85,7 @@ def all_configs() -> list[QualityConfig]:
     amx = cpu_amx_gemm.available() and default["amx_prefill"]
     if default["quantized_gemv"] and default["dtype"] == "float32" and not default["quantization"]:
         label += " + GGUF blocks: GEMV up to 32 rows, GEMM above"
-        label += " (AMX, exact bf16 pieces)" if amx else ""
+        label += " (AMX, x to 16 bits)" if amx else ""
         if default["fused_decode"]:
             label += "; steps up to 32 tokens fused"
     if default["kv_cache_dtype"] != "auto":

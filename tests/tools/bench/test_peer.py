@@ -305,10 +305,10 @@ def test_the_prefill_ceiling_is_the_projections_flops_over_the_fma_peak():
     assert f"no fp32 engine prefills faster than {row['ceiling_tok_s']:,.1f} tok/s" in text
     assert "2,000.0 tok/s: above that ceiling" in text
     assert "AMX" not in text  # an engine that does not use the tiles: no second ceiling
-    # where prefill runs on AMX tiles: their peak over five bf16 products a term
+    # where prefill runs on AMX tiles: their peak over three bf16 products a term
     amx = peer.prefill_ceiling_row(config, 100e9, {"pp512": 400.0}, amx_flops_s=4000e9)
-    assert amx["amx_ceiling_tok_s"] == round(4000e9 / 5 / per_token, 1)
-    assert amx["target_above_amx_ceiling"] is False  # 2,000 tok/s under 4,000e9 / 5 / 0.212e9
+    assert amx["amx_ceiling_tok_s"] == round(4000e9 / 3 / per_token, 1)
+    assert amx["target_above_amx_ceiling"] is False  # 2,000 tok/s under 4,000e9 / 3 / 0.212e9
     text = peer.markdown(empty_report(prefill_ceiling=amx))
     assert f"so that path prefills at most {amx['amx_ceiling_tok_s']:,.1f} tok/s" in text
     assert "the target below it" in text
