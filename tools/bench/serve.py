@@ -108,6 +108,14 @@ def register(subparsers) -> None:
         "`brigade bench peer` cached)",
     )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate the engine alone and the default pipeline this many times at each "
+        "level (both kept loaded) and report the round of the median ratio, with every round's: "
+        "on a machine whose speed swings, sides measured minutes apart are not comparable",
+    )
     p.add_argument("--quick", action="store_true", help="1 and 4 clients, 32 tokens")
     p.add_argument("--out", type=Path, default=Path(".brigade/bench"), help="output directory")
     p.set_defaults(func=run)
@@ -497,6 +505,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[int, dict]] = {}
     notes: list[str] = []
     model = settings.MODEL.get()
+    eng = None
     if "engine" in sides:
         from engine import Engine
         from stages.engine_params import engine_config_from_env
@@ -504,20 +513,51 @@ def run(args: argparse.Namespace) -> int:
         progress("engine alone: loading the model")
         eng = Engine(engine_config_from_env())
         engine_alone(eng, work_items(2, 8), 2)  # warm-up
+
+    def engine_side(c: int) -> dict:
+        items = work_items(c * args.requests, args.max_tokens)
+        cpu = CpuMeter([], me)
+        cpu.start()
+        samples, wall = engine_alone(eng, items, c)
+        return summary(samples, wall, cpu.stop())
+
+    def pipeline_side(up: Pipeline, c: int) -> dict:
+        items = work_items(c * args.requests, args.max_tokens)
+        cpu, msgs = CpuMeter([up.proc.pid], me), up.nats_meter()
+        cpu.start()
+        if msgs is not None:
+            msgs.start()
+        samples, wall = drive_http(up.url, up.api_key, model, items, c)
+        counted = msgs.stop() if msgs is not None else None
+        return summary(samples, wall, cpu.stop(), counted)
+
+    alternated = args.rounds > 1 and eng is not None and "pipeline" in sides
+    if alternated:
+        results["engine"], results["pipeline"] = {}, {}
+        with tempfile.TemporaryDirectory(prefix="brigade-serve-") as tmp:
+            progress(f"engine alone and pipeline, alternated {args.rounds} times")
+            with Pipeline(procs=False, data_dir=Path(tmp)) as up:
+                drive_http(up.url, up.api_key, model, work_items(2, 8), 2)  # warm-up
+                for c in levels:
+                    rounds = []
+                    for r in range(args.rounds):
+                        rounds.append((engine_side(c), pipeline_side(up, c)))
+                        e, p = rounds[-1]
+                        progress(f"{c} streams, round {r + 1}: engine {e['aggregate_tps']:.1f}, "
+                                 f"pipeline {p['aggregate_tps']:.1f} tok/s")  # fmt: skip
+                    e, p = median_round(rounds)
+                    results["engine"][c], results["pipeline"][c] = e, p
+    elif eng is not None:
         results["engine"] = {}
         for c in levels:
-            items = work_items(c * args.requests, args.max_tokens)
-            cpu = CpuMeter([], me)
-            cpu.start()
-            samples, wall = engine_alone(eng, items, c)
-            results["engine"][c] = summary(samples, wall, cpu.stop())
+            results["engine"][c] = engine_side(c)
             progress(
                 f"engine alone, {c} streams: {results['engine'][c]['aggregate_tps']:.1f} tok/s"
             )
-        del eng
+    eng = None  # the model's memory back before the other sides start
     levers = dict(args.lever)
     for side in ("pipeline", *levers, "procs"):
-        if side not in sides and side not in levers:
+        if side not in sides and side not in levers or (side == "pipeline" and alternated):
             continue
         at = [args.procs_at] if side == "procs" else levels
         env = levers.get(side, {})
@@ -527,14 +567,7 @@ def run(args: argparse.Namespace) -> int:
                 drive_http(up.url, up.api_key, model, work_items(2, 8), 2)  # warm-up
                 results[side] = {}
                 for c in at:
-                    items = work_items(c * args.requests, args.max_tokens)
-                    cpu, msgs = CpuMeter([up.proc.pid], me), up.nats_meter()
-                    cpu.start()
-                    if msgs is not None:
-                        msgs.start()
-                    samples, wall = drive_http(up.url, up.api_key, model, items, c)
-                    counted = msgs.stop() if msgs is not None else None
-                    results[side][c] = summary(samples, wall, cpu.stop(), counted)
+                    results[side][c] = pipeline_side(up, c)
                     progress(f"{side}, {c} streams: {results[side][c]['aggregate_tps']:.1f} tok/s")
     if args.url:
         pids = deployment_pids(me)
@@ -605,6 +638,15 @@ def run(args: argparse.Namespace) -> int:
     return 0 if failed == 0 else 1
 
 
+def median_round(rounds: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """(engine, pipeline) summaries of alternated rounds -> the round of the median ratio
+    (the lower middle of an even count), its pipeline carrying every round's ratio in order."""
+    ratios = [p["aggregate_tps"] / max(e["aggregate_tps"], 1e-9) for e, p in rounds]
+    middle = sorted(range(len(rounds)), key=ratios.__getitem__)[(len(rounds) - 1) // 2]
+    engine, pipeline = rounds[middle]
+    return engine, {**pipeline, "rounds_of_engine": ratios}
+
+
 def llama_server_binary(llama_cpp_dir: Path | None) -> Path | str:
     """The llama-server to run, or why there is none."""
     from tools.bench import llama_cpp
@@ -636,6 +678,8 @@ def targets(
         if c in eng:
             row["of_engine"] = p["aggregate_tps"] / max(eng[c]["aggregate_tps"], 1e-9)
             row["of_engine_ok"] = row["of_engine"] >= TARGET_OF_ENGINE
+            if p.get("rounds_of_engine"):  # --rounds: the median round's, and every round's
+                row["of_engine_rounds"] = p["rounds_of_engine"]
             cpu = cpu_ceiling(eng[c], p)
             if cpu is not None:
                 row.update(cpu)
@@ -708,6 +752,17 @@ def markdown(report: dict) -> str:
                 f"{'—' if ttft is None else ('yes' if ttft else 'no')} | "
                 f"{_f(t.get('itl_p95_of_step'), 2)} |"
             )
+        rounds = [(c, t["of_engine_rounds"]) for c, t in report["targets"].items()
+                  if t.get("of_engine_rounds")]  # fmt: skip
+        if rounds:
+            lines += [
+                "",
+                "The engine alone and the pipeline alternated at each level, both loaded "
+                "throughout; the rows above are the round of the median ratio. Every round's "
+                "pipeline / engine: "
+                + "; ".join(f"{c} streams {', '.join(f'{x:.2f}' for x in r)}" for c, r in rounds)
+                + ".",
+            ]
         cpu = [(c, t) for c, t in report["targets"].items() if "cpu_ceiling_of_engine" in t]
         if cpu:
             lines += [

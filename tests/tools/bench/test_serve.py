@@ -137,6 +137,28 @@ def test_the_cpu_ceiling_is_the_engines_cpu_per_token_over_the_pipelines():
     )
 
 
+def test_alternated_rounds_report_the_median_rounds_sides_and_every_ratio():
+    """--rounds: the engine alone and the pipeline alternate; the report takes both sides from
+    the round whose ratio is the median (never one side's best against the other's worst) and
+    lists every round's ratio in the order they ran."""
+    rounds = [
+        (side(400, 100, 10, 12), side(360, 150, 11, 14)),  # 0.90
+        (side(300, 100, 10, 12), side(210, 150, 11, 14)),  # 0.70
+        (side(500, 100, 10, 12), side(400, 150, 11, 14)),  # 0.80
+    ]
+    engine, pipeline = serve.median_round(rounds)
+    assert (engine["aggregate_tps"], pipeline["aggregate_tps"]) == (500, 400)
+    assert pipeline["rounds_of_engine"] == pytest.approx([0.9, 0.7, 0.8])
+    assert serve.median_round(rounds[:2])[1]["aggregate_tps"] == 210  # even: the lower middle
+    t = serve.targets({"engine": {8: engine}, "pipeline": {8: pipeline}}, [8])
+    assert t["8"]["of_engine"] == pytest.approx(0.8)
+    table = serve.markdown(
+        {"model": "m", "max_tokens": 100, "requests_per_client": 1, "machine": "x",
+         "sides": {"engine": {8: engine}, "pipeline": {8: pipeline}}, "targets": t, "notes": []}
+    )  # fmt: skip
+    assert "Every round's pipeline / engine: 8 streams 0.90, 0.70, 0.80." in table
+
+
 def test_no_llama_server_says_why(tmp_path: Path):
     assert "no llama.cpp build under" in serve.llama_server_binary(tmp_path)
 
