@@ -192,7 +192,9 @@ class Archiver(Service):
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Archive until `stopping`, then write what is buffered and ack it (confirmed). While
+        """Archive until `stopping`, then fetch what the log still holds for it (a paced
+        archiver may be mid-wait; at most max_age_s), write what is buffered and ack it
+        (confirmed). While
         the bus is away at start (a JetStream election answers ServiceUnavailable) the start
         waits and is tried again, with a bounded backoff."""
         backoff = Backoff()
@@ -226,6 +228,14 @@ class Archiver(Service):
                             type(err).__name__, err, delay)  # fmt: skip
                 with anyio.move_on_after(delay):
                     await stopping.wait()
+        try:  # what the log holds for us now, so the archive ends where the log does
+            with anyio.move_on_after(self.config.max_age_s):
+                while await self._step(0.2):
+                    pass
+        except Exception as err:  # noqa: BLE001 - the bus away: the rest waits in the durable
+            if not bus_unavailable(err):
+                raise
+            log.warning("archiver: no last fetch at stop (%s)", err)
         try:
             await self.flush(confirm=True)
         except Exception as err:  # noqa: BLE001 - written and checkpointed: a restart skips them

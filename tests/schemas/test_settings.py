@@ -95,6 +95,8 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_NATS_PASSWORD": None,
         "BRIGADE_DATA_DIR": Path(".brigade"),
         "BRIGADE_ARCHIVE_DIR": None,
+        "BRIGADE_NATS_MAX_PROCS": 1,  # new: the embedded nats-server on one Go processor
+        "BRIGADE_ARCHIVER_PACE_S": 0.5,  # new: the archiver's wait between partial fetches
         "BRIGADE_TENANTS": None,
         "BRIGADE_LEDGER_DB": None,
         "BRIGADE_API_KEY": None,
