@@ -377,7 +377,6 @@ static inline int64_t take(Items *it, int64_t p, int me) {
     return -1;
 }
 
-/* 1: this thread stores item t of phase p, then calls stored(); 0: another thread does */
 /* What the items cost beyond the work itself, per thread, summed into COUNTERS at the region's
  * end: the items computed whose store another thread had claimed (work done twice), the phases
  * this thread waited on, and the time it waited (spinning, or redoing open items) */
@@ -388,6 +387,7 @@ static __thread Waste waste;
 enum { C_REGIONS, C_THREAD_REGIONS, C_DROPPED, C_WAITS, C_WAIT_NS, C_COUNT };
 static int64_t COUNTERS[C_COUNT];
 
+/* 1: this thread stores item t of phase p, then calls stored(); 0: another thread does */
 static inline int claim_store(Items *it, int64_t p, int64_t t) {
     uint8_t *s = &it->state[it->first[p] + t];
     uint8_t cur = __atomic_load_n(s, __ATOMIC_ACQUIRE);

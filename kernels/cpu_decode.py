@@ -14,7 +14,7 @@ No compiler, or `enabled=False`: `load()` returns None and the model runs layer 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -92,7 +92,7 @@ def counters(lib: ctypes.CDLL | None = None) -> Counters:
     lib = lib or load()
     if lib is None:
         return Counters()
-    out = (ctypes.c_int64 * 5)()
+    out = (ctypes.c_int64 * len(fields(Counters)))()  # decode_counters' C_COUNT
     lib.decode_counters(out)
     return Counters(*out)
 

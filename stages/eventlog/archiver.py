@@ -127,10 +127,10 @@ class Archiver(Service):
         self._sub = await js.pull_subscribe_bind(durable=DURABLE, stream=subjects.EVENTS_STREAM)
 
     async def _step(self, timeout: float) -> int:
-        """One fetch, then a flush when a file is due; returns the messages fetched. A fetch that finds nothing is not an
-        error; one the bus refuses raises, and the caller waits and retries: what was fetched
-        and not flushed stays buffered, what was flushed and not acked is skipped when the
-        server redelivers it (its seq is on disk)."""
+        """One fetch, then a flush when a file is due; returns the messages fetched. A fetch
+        that finds nothing is not an error; one the bus refuses raises, and the caller waits and
+        retries: what was fetched and not flushed stays buffered, what was flushed and not acked
+        is skipped when the server redelivers it (its seq is on disk)."""
         try:
             msgs = await self._sub.fetch(self.config.fetch_batch, timeout=timeout)
         except TimeoutError:  # nats.errors.TimeoutError too: nothing new
@@ -194,9 +194,8 @@ class Archiver(Service):
     ) -> None:
         """Archive until `stopping`, then fetch what the log still holds for it (a paced
         archiver may be mid-wait; at most max_age_s), write what is buffered and ack it
-        (confirmed). While
-        the bus is away at start (a JetStream election answers ServiceUnavailable) the start
-        waits and is tried again, with a bounded backoff."""
+        (confirmed). While the bus is away at start (a JetStream election answers
+        ServiceUnavailable) the start waits and is tried again, with a bounded backoff."""
         backoff = Backoff()
         while True:
             try:
