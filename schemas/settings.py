@@ -395,13 +395,6 @@ NUM_SPECULATIVE_TOKENS = declare(Setting[int](
     help="n-gram draft tokens per step for greedy requests; 0 is off",
     readers=("engine",),
 ))  # fmt: skip
-ENGINE_STEPS_AHEAD = declare(Setting[int](
-    name="BRIGADE_ENGINE_STEPS_AHEAD", kind="int", default=1, ge=0, le=4,
-    help="steps the engine core may run before the stage has published the tokens of the one "
-    "before: 1 (the default) computes the next step while the last one's are published; 0 "
-    "waits for them (an abort or a stop string then takes effect one step sooner)",
-    readers=("engine",),
-))  # fmt: skip
 STREAM_MAX_COALESCE = declare(Setting[int](
     name="BRIGADE_STREAM_MAX_COALESCE", kind="int", default=1, ge=1,
     help="tokens one `tokens` event may carry while detokenize lags (a backlog past one step's "

@@ -1,9 +1,8 @@
 """Engine stage: the synchronous engine core behind the bus, a long-running handler of the
 shared runtime (stages/runtime/service.py).
 
-Takes `tokenized` only while KV capacity allows (admission: `capacity()`), steps the core in its
-own thread (stages/engine_core.py: the next step computes while the loop publishes the last
-one's tokens), publishes each step's tokens pipelined (the step's events leave in one socket
+Takes `tokenized` only while KV capacity allows (admission: `capacity()`), runs step() in a
+worker thread, publishes each step's tokens pipelined (the step's events leave in one socket
 write: BRIGADE_STREAM_FLUSH), and settles a request's input only after
 its `finished` event is stored — so a killed worker's request is redelivered and continued from
 the tokens its worker stored: prompt plus those tokens, `max_tokens` reduced, each draw keyed by
@@ -13,13 +12,10 @@ num_prior_output).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
-import math
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +25,7 @@ import anyio.abc
 import msgspec
 
 from engine.errors import RequestRejected
-from schemas import models, settings
+from schemas import models
 from schemas.events import (
     CancelRequested,
     Event,
@@ -42,7 +38,6 @@ from schemas.events import (
     decoder_for,
 )
 from stages.detokenize import context_window
-from stages.engine_core import CoreThread, StepDone
 from stages.engine_params import (
     AdmissionConfig,
     admission_room,
@@ -119,7 +114,6 @@ class EngineStage(InputService):
         admission: AdmissionConfig,
         priority: CpuPriority | None = None,
         model: models.ServedModel | None = None,
-        steps_ahead: int | None = None,
     ) -> None:
         self.engine = engine
         # the one model artifact this worker serves: its id goes on every event it publishes
@@ -133,15 +127,10 @@ class EngineStage(InputService):
         self.bus = ctx.bus
         self.admission = admission
         self.runs: dict[str, Run] = {}
-        # what the loop queues for the core's thread, which takes it between steps
-        self._queued = threading.Lock()
         self._to_add: list[Run] = []
         self._to_abort: set[str] = set()
         self._step_reported = False  # this step's first tokens event is out (it carries the size)
-        if steps_ahead is None:
-            steps_ahead = settings.ENGINE_STEPS_AHEAD.get()
-        self.steps_ahead = steps_ahead
-        self._core: CoreThread | None = None  # while run() runs
+        self._work = anyio.Event()  # new work for the step loop
         self._num_admitted = 0  # requests admitted so far, and their prompt tokens: the mean
         self._num_admitted_tokens = 0  # request's size, by which capacity() pulls
         self.step_tokens = StepTokens()  # every step's size, for the edge's iteration_tokens
@@ -213,9 +202,8 @@ class EngineStage(InputService):
         if held.num_delivered > 1 and not await self._recover(run):
             return
         self.runs[rid] = run
-        with self._queued:
-            self._to_add.append(run)
-        self._kick()
+        self._to_add.append(run)
+        self._work.set()
 
     async def _recover(self, run: Run) -> bool:
         """A redelivery: the worker that had this request died. Take the steps it stored as
@@ -250,16 +238,10 @@ class EngineStage(InputService):
         log.info("continuing %s after its %d stored steps", run.request_id, run.next_seq)
         return True
 
-    def _prepare(self) -> list[tuple[Run, StageError]]:
-        """In the core's thread, between steps (the core is not thread-safe): the aborts the
-        loop asked for, then the requests it admitted; returns those the core refused."""
-        with self._queued:
-            to_add, self._to_add = self._to_add, []
-            to_abort, self._to_abort = self._to_abort, set()
-        for rid in to_abort:
-            self.engine.abort_request(rid)  # frees its KV blocks now; reported by step()
+    def _add_pending(self) -> list[tuple[Run, StageError]]:
+        """Hand fetched requests to the engine (between steps only: the core is not thread-safe)."""
         refused = []
-        for run in to_add:
+        for run in self._to_add:
             priority = 1 if run.event.priority == "batch" else 0
             try:
                 self.engine.add_request(
@@ -280,6 +262,7 @@ class EngineStage(InputService):
                 run.added_ns = time.monotonic_ns()
             except RequestRejected as err:
                 refused.append((run, rejected(err)))
+        self._to_add = []
         return refused
 
     # ---- cancellation ----
@@ -290,16 +273,8 @@ class EngineStage(InputService):
         if run is None or run.cancel is not None:
             return  # unknown, finished, or already cancelled: late cancels are harmless
         run.cancel = cancel
-        self._abort(cancel.request_id)
-
-    def _abort(self, request_id: str) -> None:
-        with self._queued:
-            self._to_abort.add(request_id)
-        self._kick()
-
-    def _kick(self) -> None:
-        if self._core is not None:
-            self._core.kick()
+        self._to_abort.add(cancel.request_id)
+        self._work.set()
 
     # ---- stepping ----
 
@@ -312,79 +287,61 @@ class EngineStage(InputService):
         """Step until `stopping` is set and nothing runs. Cancelled past the drain, it aborts
         what is left in the core (the runtime hands those inputs back: another engine worker
         re-runs them, dedupe drops what was already stored)."""
-        loop = asyncio.get_running_loop()
-        send, receive = anyio.create_memory_object_stream[StepDone | None](math.inf)
-        core = CoreThread(
-            self.engine,
-            prepare=self._prepare,
-            post=lambda done: loop.call_soon_threadsafe(send.send_nowait, done),
-            lower=self._lowered.ensure,  # with the torch threads it starts
-            ahead=self.steps_ahead,
-        )
         try:
             async with anyio.create_task_group() as tg:
                 task_status.started()
                 tg.start_soon(self.stream.run, lambda: len(self.runs))
-                self._core = core
-                tg.start_soon(anyio.to_thread.run_sync, core.run)
-                tg.start_soon(_wake_on, stopping, send)
-                try:
-                    await self.step_loop(stopping, receive, tg)
-                finally:
-                    core.halt()  # after its step in progress: the task group waits for it
-                tg.cancel_scope.cancel()  # the lag sampler and the stop watch
+                await self.step_loop(stopping, tg)
+                tg.cancel_scope.cancel()  # the lag sampler; what steps started has finished
         finally:
-            self._core = None
             for rid in list(self.runs):
-                self.engine.abort_request(rid)  # the core's thread has returned
+                self.engine.abort_request(rid)  # no step is running: cancellation waits for it
             self.runs.clear()
             self._to_add.clear()
+
+    async def step_loop(self, stop: anyio.Event, tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            for run, err in self._add_pending():
+                del self.runs[run.request_id]
+                tg.start_soon(run.held.fail, run.event, err)
+            for rid in self._to_abort:
+                self.engine.abort_request(rid)  # frees its KV blocks now; reported by step()
             self._to_abort.clear()
-
-    async def step_loop(
-        self,
-        stop: anyio.Event,
-        steps: anyio.abc.ObjectReceiveStream[StepDone | None],
-        tg: anyio.abc.TaskGroup,
-    ) -> None:
-        """Each step's outputs as the core's thread hands them over, until `stop` is set and
-        no run is left."""
-        while not (stop.is_set() and not self.runs):
-            done = await steps.receive()
-            if done is None:  # stop was set: drain what runs
+            if not self.engine.has_unfinished_requests():
+                if stop.is_set() and not self._to_add:
+                    return
+                self._work = anyio.Event()
+                with anyio.move_on_after(0.5):
+                    await self._work.wait()
                 continue
+            began = time.monotonic_ns()
             try:
-                await self._handle_step(done, tg)
-            finally:
-                assert self._core is not None
-                self._core.handled()
+                outputs = await anyio.to_thread.run_sync(self._step)
+            except Exception as err:  # noqa: BLE001 - a broken step fails what it was running
+                log.exception("engine step failed")
+                self._fail_all(tg, f"the engine step failed: {type(err).__name__}: {err}")
+                continue
+            took = time.monotonic_ns() - began
+            stats = self.engine.stats()
+            self.step_tokens.observe(stats.num_step_tokens)
+            self.compute_rate.observe(stats.num_step_tokens, took)
+            self._step_reported = False  # the step's size rides on its first tokens event
+            for out in outputs:
+                run = self.runs.get(out.request_id)
+                if run is not None:
+                    await self._on_output(run, out, took, stats, tg)
+            if self.stream.config.flush == "step":
+                await anyio.sleep(0)  # nats-py's flusher writes the step's events at once
+            self.ctx.room_changed()
 
-    async def _handle_step(self, done: StepDone, tg: anyio.abc.TaskGroup) -> None:
-        for run, err in done.refused:
-            del self.runs[run.request_id]
-            tg.start_soon(run.held.fail, run.event, err)
-        if done.error is not None:
-            err = done.error
-            log.error("engine step failed", exc_info=err)
-            self._fail_all(tg, f"the engine step failed: {type(err).__name__}: {err}")
-            return
-        if not done.stepped:
-            return
-        took, stats = done.took_ns, done.stats
-        self.step_tokens.observe(stats.num_step_tokens)
-        self.compute_rate.observe(stats.num_step_tokens, took)
-        self._step_reported = False  # the step's size rides on its first tokens event
-        for out in done.outputs:
-            run = self.runs.get(out.request_id)
-            if run is not None:
-                await self._on_output(run, out, took, stats, tg)
-        if self.stream.config.flush == "step":
-            await anyio.sleep(0)  # nats-py's flusher writes the step's events at once
-        self.ctx.room_changed()
+    def _step(self) -> list[Any]:
+        """In the worker thread: lowered once (with the torch threads it starts), then one step."""
+        self._lowered.ensure()
+        return self.engine.step()
 
     def _fail_all(self, tg: anyio.abc.TaskGroup, message: str) -> None:
         for rid, run in list(self.runs.items()):
-            self._abort(rid)  # the core's thread frees its blocks before its next step
+            self.engine.abort_request(rid)
             del self.runs[rid]
             tg.start_soon(run.held.fail, run.event, StageError("internal", message))
 
@@ -519,12 +476,6 @@ class EngineStage(InputService):
     def _compute_tok_s(self) -> float | None:
         rate = self.compute_rate.tok_s
         return None if rate is None else round(rate, 1)
-
-
-async def _wake_on(stopping: anyio.Event, steps: anyio.abc.ObjectSendStream[Any]) -> None:
-    """Wake the step loop when `stopping` is set (it may be waiting for a step on an idle core)."""
-    await stopping.wait()
-    steps.send_nowait(None)
 
 
 def _coalesced(held: TokensGenerated, step: TokensGenerated) -> TokensGenerated:

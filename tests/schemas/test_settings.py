@@ -130,7 +130,6 @@ def test_the_defaults_are_what_the_readers_used_before():
         "BRIGADE_FUSED_DECODE": True,
         "BRIGADE_SCREENED_HEAD": True,
         "BRIGADE_AMX_PREFILL": True,
-        "BRIGADE_ENGINE_STEPS_AHEAD": 1,  # 0 was the behaviour before it was a setting
         "BRIGADE_STREAM_MAX_COALESCE": 1,
         "BRIGADE_STREAM_FLUSH": "step",
         "BRIGADE_STREAM_LAG_POLL_S": 0.1,
