@@ -72,9 +72,17 @@ async def relay(url: str, index: int, mode: str) -> None:
 
 
 async def measure(
-    url: str, relays: int, mode: str, inflight: int, messages: int, pipelined: bool = False
+    url: str,
+    relays: int,
+    mode: str,
+    inflight: int,
+    messages: int,
+    pipelined: bool = False,
+    interval_s: float | None = None,
 ) -> list[float]:
-    """Per message: ms from the client's publish into hop.0 to its receipt from hop.<relays>."""
+    """Per message: ms from the client's publish into hop.0 to its receipt from hop.<relays>.
+    A burst starts 20 ms after the last one arrived, or with `interval_s` every interval_s (as
+    an engine's steps publish: a burst of one event per stream each step)."""
     import nats
 
     nc = await nats.connect(url)
@@ -100,7 +108,10 @@ async def measure(
         await send()
         await arrived.get()
     latencies.clear()
-    for _ in range(max(1, messages // inflight)):
+    began = time.monotonic()
+    for burst in range(max(1, messages // inflight)):
+        if interval_s is not None:
+            await asyncio.sleep(max(0.0, began + burst * interval_s - time.monotonic()))
         if pipelined and mode == "jetstream":  # every publish out before any ack comes back
             acks = [
                 await js.publish_async("hop.0", str(time.perf_counter_ns()).encode())
@@ -112,9 +123,69 @@ async def measure(
                 await send()
         for _ in range(inflight):
             await arrived.get()
-        await asyncio.sleep(0.02)
+        if interval_s is None:
+            await asyncio.sleep(0.02)
     await nc.close()
     return latencies
+
+
+def relay_cost(rates: dict[int, float], seconds: float = 6.0) -> dict[int, dict]:
+    """The CPU one message costs on one JetStream hop with no stage code, at a pipeline's pace:
+    for each (burst size, messages a second), bursts published pipelined, each message stored,
+    pulled by a relay process that publishes it on (acknowledged) and acks it, and received.
+    This is the path every streamed token takes from the engine through detokenize to the edge,
+    so its CPU per message is what one token costs beside the engine at the least, before any
+    stage's own work and before the log's archiver reads it."""
+    import nats
+    import uvloop
+    from nats.js.api import StreamConfig
+
+    from stages.runtime import natsd
+    from tools.bench.serve import cpu_seconds
+
+    out: dict[int, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="brigade-relay-") as tmp:
+        server = natsd.start(Path(tmp))
+        relay_proc = None
+        try:
+
+            async def create_stream() -> None:
+                nc = await nats.connect(server.url)
+                await nc.jetstream().add_stream(StreamConfig(name=STREAM, subjects=["hop.>"]))
+                await nc.close()
+
+            uvloop.run(create_stream())
+            relay_proc = subprocess.Popen(
+                [sys.executable, "-m", "tools.bench.hops", "relay", server.url, "0", "jetstream"],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            if relay_proc.stdout is None or relay_proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the relay process failed to start (exit {relay_proc.poll()})")
+            pids = {"relay": relay_proc.pid, "nats-server": server.pid, "client": os.getpid()}
+            for inflight, rate in rates.items():
+                messages = max(inflight * 20, int(rate * seconds) // inflight * inflight)
+                before = {name: cpu_seconds(pid) or 0.0 for name, pid in pids.items()}
+                t0 = time.monotonic()
+                lat = uvloop.run(
+                    measure(server.url, 1, "jetstream", inflight, messages, True, inflight / rate)
+                )
+                wall = time.monotonic() - t0
+                used = {n: (cpu_seconds(pid) or 0.0) - before[n] for n, pid in pids.items()}
+                out[inflight] = {
+                    "messages": len(lat),
+                    "per_second": len(lat) / wall,
+                    "cpu_ms_per_message": {n: 1e3 * s / len(lat) for n, s in used.items()},
+                    "cpu_ms_per_message_total": 1e3 * sum(used.values()) / len(lat),
+                    "p50_ms": pct(lat, 0.5),
+                    "p95_ms": pct(lat, 0.95),
+                }
+        finally:
+            if relay_proc is not None:
+                relay_proc.terminate()
+                relay_proc.wait(timeout=10)
+            natsd.stop(server)
+    return out
 
 
 def pct(values: list[float], q: float) -> float:

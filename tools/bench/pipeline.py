@@ -353,5 +353,8 @@ def level_result(alone: dict, pipe: dict, bare: dict | None, concurrency: int) -
             "text_trip": None
             if concurrency != TEXT_TRIP_AT or text_trip is None
             else text_trip <= TARGETS_MS["text_trip_p95"],
+            # a token's text crosses the bare relay's path (log, detokenize, log, edge): the
+            # relay's P95 at this burst size, with no stage code and no engine, is its floor
+            "text_trip_floor_p95_ms": None if bare is None else bare["p95_ms"],
         },
     }

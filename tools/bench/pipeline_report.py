@@ -179,6 +179,11 @@ def level_markdown(result: dict) -> list[str]:
             f"Bare relay on the same server (one JetStream hop through a Python relay, no stage code, "
             f"{bare['messages']} messages in bursts of {result['concurrency']}): P50 {bare['p50_ms']:.3f} ms, "
             f"P95 {bare['p95_ms']:.3f} ms.",
+            "",
+            "A streamed token's text takes the relay's path (engine -> log -> detokenize -> log "
+            "-> edge), so the relay's P95 is the text trip's floor at this burst size: "
+            f"{bare['p95_ms']:.2f} ms, against the text trip's {_f(pct(p['text_trip_ms'], 0.95))} "
+            f"ms{_floor_verdict(bare['p95_ms'], result)}.",
         ]
     rows += [
         "",
@@ -191,3 +196,15 @@ def level_markdown(result: dict) -> list[str]:
         f"pipeline: {p['failed']}.",
     ]
     return rows
+
+
+def _floor_verdict(floor_p95_ms: float, result: dict) -> str:
+    """Where the text trip has a target at this level: whether the floor leaves room for it."""
+    if result["targets"].get("text_trip") is None:
+        return ""
+    from tools.bench.pipeline import TARGETS_MS
+
+    target = TARGETS_MS["text_trip_p95"]
+    if floor_p95_ms > target:
+        return f"; the {target:g} ms target is below the floor"
+    return f"; the {target:g} ms target is above it"

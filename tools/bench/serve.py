@@ -116,6 +116,12 @@ def register(subparsers) -> None:
         "level (both kept loaded) and report the round of the median ratio, with every round's: "
         "on a machine whose speed swings, sides measured minutes apart are not comparable",
     )
+    p.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip the floor: one JetStream hop through a relay with no stage code, at each "
+        "level's burst size and the pipeline's token rate, and the CPU it costs a message",
+    )
     p.add_argument("--quick", action="store_true", help="1 and 4 clients, 32 tokens")
     p.add_argument("--out", type=Path, default=Path(".brigade/bench"), help="output directory")
     p.set_defaults(func=run)
@@ -586,6 +592,15 @@ def run(args: argparse.Namespace) -> int:
             f"deployment: the edge at {args.url}; CPU of the {len(pids)} Brigade stage and "
             "nats-server processes this host shows"
         )
+    floor: dict[int, dict] = {}
+    pipe = results.get("pipeline", {})
+    if not args.no_floor and pipe:
+        from tools.bench import hops
+
+        progress(
+            "the floor: one JetStream hop through a relay, no stage code, at each level's pace"
+        )
+        floor = hops.relay_cost({c: pipe[c]["aggregate_tps"] for c in levels if c in pipe})
     if "llama-server" in sides:
         binary = llama_server_binary(args.llama_cpp_dir)
         if isinstance(binary, str):
@@ -621,10 +636,12 @@ def run(args: argparse.Namespace) -> int:
         f"{os.getloadavg()[0]:.1f} after the run",
         "sides": results,
         "levers": levers,
+        "relay_floor": {str(c): f for c, f in floor.items()},
         "targets": targets(
             results,
             [c for c in levels if c >= 8],
             "pipeline" if "pipeline" in results else "deployment",
+            floor,
         ),
         "notes": notes,
     }
@@ -665,10 +682,14 @@ def llama_server_binary(llama_cpp_dir: Path | None) -> Path | str:
 
 
 def targets(
-    results: dict[str, dict[int, dict]], levels: list[int], side: str = "pipeline"
+    results: dict[str, dict[int, dict]],
+    levels: list[int],
+    side: str = "pipeline",
+    floor: dict[int, dict] | None = None,
 ) -> dict[str, dict]:
     """Each target at each level where both sides it compares were measured; `side` is the
-    pipeline's (a --url deployment's where no pipeline side ran)."""
+    pipeline's (a --url deployment's where no pipeline side ran); `floor`, one relay hop's
+    cost at each level (hops.relay_cost)."""
     out: dict[str, dict] = {}
     pipe, eng, peer = (results.get(k, {}) for k in (side, "engine", "llama-server"))
     for c in levels:
@@ -680,7 +701,7 @@ def targets(
             row["of_engine_ok"] = row["of_engine"] >= TARGET_OF_ENGINE
             if p.get("rounds_of_engine"):  # --rounds: the median round's, and every round's
                 row["of_engine_rounds"] = p["rounds_of_engine"]
-            cpu = cpu_ceiling(eng[c], p)
+            cpu = cpu_ceiling(eng[c], p, (floor or {}).get(c))
             if cpu is not None:
                 row.update(cpu)
             step = eng[c]["itl_ms"]["p50"]
@@ -697,20 +718,27 @@ def targets(
     return out
 
 
-def cpu_ceiling(engine: dict, pipeline: dict) -> dict | None:
+def cpu_ceiling(engine: dict, pipeline: dict, floor: dict | None = None) -> dict | None:
     """Where the engine alone keeps every core busy, the pipeline runs on the same cores, so its
     aggregate is at most the engine's times (the engine's CPU per token / the pipeline's): the
     ceiling its measured CPU sets. And the CPU per token the pipeline may spend beyond the
-    engine alone's for the 0.90 target."""
+    engine alone's for the 0.90 target. With `floor` (one relay hop's cost at this level's pace,
+    hops.relay_cost), the ceiling of a pipeline whose only cost beside the engine were that hop:
+    every token crosses one, so no stage code can take the pipeline above it."""
     a, b = engine.get("cpu_ms_per_token_total"), pipeline.get("cpu_ms_per_token_total")
     if not a or not b:
         return None
-    return {
+    out = {
         "cpu_ceiling_of_engine": a / b,
         "cpu_ms_per_token_engine": a,
         "cpu_ms_per_token_pipeline": b,
         "cpu_ms_per_token_allowed_beyond_engine": a / TARGET_OF_ENGINE - a,
     }
+    if floor is not None:
+        hop = floor["cpu_ms_per_message_total"]
+        out["floor_cpu_ms_per_token"] = hop
+        out["floor_ceiling_of_engine"] = a / (a + hop)
+    return out
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -772,16 +800,49 @@ def markdown(report: dict) -> str:
                 " token / the pipeline's).",
                 "",
                 "| streams | CPU ms/token engine alone | pipeline | ceiling from CPU | measured "
-                "| CPU ms/token the 0.90 target allows beyond the engine alone |",
-                "|---:|---:|---:|---:|---:|---:|",
+                "| CPU ms/token the 0.90 target allows beyond the engine alone | one relay hop, "
+                "no stage code: CPU ms/token | ceiling with only that hop |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
             for c, t in cpu:
                 lines.append(
                     f"| {c} | {_f(t['cpu_ms_per_token_engine'], 2)} | "
                     f"{_f(t['cpu_ms_per_token_pipeline'], 2)} | "
                     f"{_f(t['cpu_ceiling_of_engine'], 2)} | {_f(t.get('of_engine'), 2)} | "
-                    f"{_f(t['cpu_ms_per_token_allowed_beyond_engine'], 2)} |"
+                    f"{_f(t['cpu_ms_per_token_allowed_beyond_engine'], 2)} | "
+                    f"{_f(t.get('floor_cpu_ms_per_token'), 2)} | "
+                    f"{_f(t.get('floor_ceiling_of_engine'), 2)} |"
                 )
+            if any("floor_cpu_ms_per_token" in t for _, t in cpu):
+                lines += [
+                    "",
+                    "The relay hop is the floor of the design: every streamed token is a "
+                    "`tokens` event into the log, pulled by detokenize, a `text` event into the "
+                    "log, received by the edge. Measured at each level's burst size and the "
+                    "pipeline's token rate, on a private nats-server, with no stage code, no SSE"
+                    " and no archiver; its ceiling is the engine's CPU per token over the "
+                    "engine's plus the hop's.",
+                ]
+    floor = report.get("relay_floor") or {}
+    if floor:
+        lines += [
+            "",
+            "One JetStream hop through a relay with no stage code (the floor of a streamed "
+            "token's path: engine -> log -> detokenize -> log -> edge), bursts of one message a "
+            "stream at the pipeline's token rate; CPU ms per message and its latency:",
+            "",
+            "| streams | messages/s | relay | nats-server | client (publish + receive) | total "
+            "| P50 ms | P95 ms |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for c, f in sorted(floor.items(), key=lambda kv: int(kv[0])):
+            per = f["cpu_ms_per_message"]
+            lines.append(
+                f"| {c} | {_f(f['per_second'])} | {_f(per.get('relay'), 3)} | "
+                f"{_f(per.get('nats-server'), 3)} | {_f(per.get('client'), 3)} | "
+                f"{_f(f['cpu_ms_per_message_total'], 3)} | {_f(f['p50_ms'], 2)} | "
+                f"{_f(f['p95_ms'], 2)} |"
+            )
     levers = report.get("levers") or {}
     if "pipeline" in sides and any(name in sides for name in levers):
         lines += [

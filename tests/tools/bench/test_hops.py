@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from tools.bench import hops as bench_hops
 from tools.cli import main
 
@@ -56,3 +58,18 @@ def test_one_hop_with_pipelined_bursts(tmp_path: Path):
     assert res["hops"] == 1 and res["pipelined"] is True
     assert res["modes"]["jetstream"]["5"]["messages"] == 10
     assert "JetStream bursts published pipelined" in (out / "hops.md").read_text()
+
+
+def test_the_relay_cost_is_paced_and_counts_each_process_cpu_per_message():
+    cost = bench_hops.relay_cost({4: 400.0, 1: 200.0}, seconds=1.0)
+    assert set(cost) == {4, 1}
+    four, one = cost[4], cost[1]
+    assert four["messages"] == 400 and one["messages"] == 200  # a second of each pace
+    # paced: bursts of 4 every 10 ms and single messages every 5 ms, not as fast as it goes
+    assert 200 <= four["per_second"] <= 440 and 100 <= one["per_second"] <= 220
+    for c in (four, one):
+        per = c["cpu_ms_per_message"]
+        assert set(per) == {"relay", "nats-server", "client"}
+        assert per["relay"] > 0 and per["client"] > 0  # each message moved through both
+        assert c["cpu_ms_per_message_total"] == pytest.approx(sum(per.values()))
+        assert 0 < c["p50_ms"] <= c["p95_ms"] < 1000

@@ -86,7 +86,7 @@ def test_each_stage_hop_runs_from_its_input_stamped_to_its_output_stamped():
 
 def test_a_level_compares_every_stage_hop_with_the_bare_relay():
     from tools.bench.pipeline import level_result
-    from tools.bench.pipeline_report import markdown
+    from tools.bench.pipeline_report import level_markdown, markdown
 
     pipe = analyse({"r": synthetic()})
     pipe["wall_s"], pipe["tokens"] = 0.152, 1
@@ -108,3 +108,11 @@ def test_a_level_compares_every_stage_hop_with_the_bare_relay():
     )  # fmt: skip
     assert "### 8 in flight" in table and "| ledger |" in table and "7.900 ✗" in table
     assert "Bare relay on the same server" in table and "P50 0.600 ms" in table
+    # the relay's P95 is the text trip's floor: here 0.9 ms leaves room for the 2 ms target
+    assert res["targets"]["text_trip_floor_p95_ms"] == 0.9
+    assert (
+        "the text trip's floor at this burst size: 0.90 ms, against the text trip's 1.20" in table
+    )
+    assert "the 2 ms target is above it" in table
+    slow = level_result(alone, pipe, {"messages": 200, "p50_ms": 1.8, "p95_ms": 2.9}, 8)
+    assert "the 2 ms target is below the floor" in "\n".join(level_markdown(slow))

@@ -137,6 +137,26 @@ def test_the_cpu_ceiling_is_the_engines_cpu_per_token_over_the_pipelines():
     )
 
 
+def test_the_floor_ceiling_adds_one_relay_hop_to_the_engines_cpu_per_token():
+    engine, pipeline = side(600, 100, 10, 12), side(330, 150, 20, 30)
+    engine["cpu_ms_per_token_total"], pipeline["cpu_ms_per_token_total"] = 3.6, 4.8
+    hop = {"messages": 2400, "per_second": 400.0, "cpu_ms_per_message_total": 0.4,
+           "cpu_ms_per_message": {"relay": 0.15, "nats-server": 0.1, "client": 0.15},
+           "p50_ms": 1.75, "p95_ms": 2.97}  # fmt: skip
+    sides = {"engine": {8: engine}, "pipeline": {8: pipeline}}
+    t = serve.targets(sides, [8], floor={8: hop})["8"]
+    assert t["floor_cpu_ms_per_token"] == 0.4
+    assert t["floor_ceiling_of_engine"] == pytest.approx(3.6 / 4.0)  # 0.90: no room for stages
+    assert t["cpu_ms_per_token_allowed_beyond_engine"] == pytest.approx(0.4)
+    table = serve.markdown(
+        {"model": "m", "max_tokens": 100, "requests_per_client": 1, "machine": "x",
+         "sides": sides, "targets": {"8": t}, "relay_floor": {"8": hop}, "notes": []}
+    )  # fmt: skip
+    assert "| 8 | 3.60 | 4.80 | 0.75 | 0.55 | 0.40 | 0.40 | 0.90 |" in table
+    assert "| 8 | 400.0 | 0.150 | 0.100 | 0.150 | 0.400 | 1.75 | 2.97 |" in table
+    assert "floor_ceiling_of_engine" not in serve.targets(sides, [8])["8"]  # --no-floor
+
+
 def test_alternated_rounds_report_the_median_rounds_sides_and_every_ratio():
     """--rounds: the engine alone and the pipeline alternate; the report takes both sides from
     the round whose ratio is the median (never one side's best against the other's worst) and
