@@ -20,6 +20,17 @@ import time
 from pathlib import Path
 
 STREAM = "HOPBENCH"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process, in seconds (None once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after "pid (comm)": state is fields[0]
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def register(subparsers) -> None:
@@ -141,7 +152,6 @@ def relay_cost(rates: dict[int, float], seconds: float = 6.0) -> dict[int, dict]
     from nats.js.api import StreamConfig
 
     from stages.runtime import natsd
-    from tools.bench.serve import cpu_seconds
 
     out: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="brigade-relay-") as tmp:

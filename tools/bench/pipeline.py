@@ -356,5 +356,6 @@ def level_result(alone: dict, pipe: dict, bare: dict | None, concurrency: int) -
             # a token's text crosses the bare relay's path (log, detokenize, log, edge): the
             # relay's P95 at this burst size, with no stage code and no engine, is its floor
             "text_trip_floor_p95_ms": None if bare is None else bare["p95_ms"],
+            "text_trip_target_p95_ms": TARGETS_MS["text_trip_p95"],
         },
     }

@@ -36,6 +36,7 @@ from pathlib import Path
 from schemas import settings
 from stages.runtime import natsd
 from stages.runtime.natsd import die_with_parent
+from tools.bench.hops import cpu_seconds
 from tools.bench.loadgen import Sample, SseTarget, run_load
 from tools.bench.measure import percentiles
 from tools.bench.workload import WorkItem
@@ -53,7 +54,6 @@ QUESTIONS = (
 SIDES = ("engine", "pipeline", "procs", "llama-server")
 DEFAULT_SIDES = SIDES
 RETRIES = 5  # a refused (503) request waits its Retry-After and is sent again, as SDKs do
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The issue's targets, at 8 and 32 streams
 TARGET_OF_ENGINE = 0.90  # pipeline aggregate / engine-alone aggregate
 TARGET_OF_LLAMA = 2.0  # pipeline aggregate / llama-server aggregate
@@ -167,16 +167,6 @@ def work_items(count: int, max_tokens: int) -> list[WorkItem]:
 
 
 # ---- CPU accounting from /proc ----
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a live process, in seconds (None once it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()  # after "pid (comm)": state is fields[0]
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def deployment_pids(me: int) -> list[int]:
