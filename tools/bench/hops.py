@@ -140,6 +140,20 @@ async def measure(
     return latencies
 
 
+def create_stream(url: str) -> None:
+    """The benchmark's stream (hop.>) on the server at `url`."""
+    import nats
+    import uvloop
+    from nats.js.api import StreamConfig
+
+    async def create() -> None:
+        nc = await nats.connect(url)
+        await nc.jetstream().add_stream(StreamConfig(name=STREAM, subjects=["hop.>"]))
+        await nc.close()
+
+    uvloop.run(create())
+
+
 def relay_cost(rates: dict[int, float], seconds: float = 6.0) -> dict[int, dict]:
     """The CPU one message costs on one JetStream hop with no stage code, at a pipeline's pace:
     for each (burst size, messages a second), bursts published pipelined, each message stored,
@@ -147,9 +161,7 @@ def relay_cost(rates: dict[int, float], seconds: float = 6.0) -> dict[int, dict]
     This is the path every streamed token takes from the engine through detokenize to the edge,
     so its CPU per message is what one token costs beside the engine at the least, before any
     stage's own work and before the log's archiver reads it."""
-    import nats
     import uvloop
-    from nats.js.api import StreamConfig
 
     from stages.runtime import natsd
 
@@ -158,13 +170,7 @@ def relay_cost(rates: dict[int, float], seconds: float = 6.0) -> dict[int, dict]
         server = natsd.start(Path(tmp))
         relay_proc = None
         try:
-
-            async def create_stream() -> None:
-                nc = await nats.connect(server.url)
-                await nc.jetstream().add_stream(StreamConfig(name=STREAM, subjects=["hop.>"]))
-                await nc.close()
-
-            uvloop.run(create_stream())
+            create_stream(server.url)
             relay_proc = subprocess.Popen(
                 [sys.executable, "-m", "tools.bench.hops", "relay", server.url, "0", "jetstream"],
                 stdout=subprocess.PIPE,
@@ -237,10 +243,6 @@ def run_chain(
 
 
 def run(args: argparse.Namespace) -> int:
-    import nats
-    import uvloop
-    from nats.js.api import StreamConfig
-
     from stages.runtime import natsd
 
     if args.relays < 0 or min(args.inflight) < 1 or args.messages < 1:
@@ -249,13 +251,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="brigade-hops-") as tmp:
         server = natsd.start(Path(tmp))
         try:
-
-            async def create_stream() -> None:
-                nc = await nats.connect(server.url)
-                await nc.jetstream().add_stream(StreamConfig(name=STREAM, subjects=["hop.>"]))
-                await nc.close()
-
-            uvloop.run(create_stream())
+            create_stream(server.url)
             res = {
                 "hops": args.relays + 1,
                 "relays": args.relays,

@@ -233,18 +233,9 @@ def _pipeline_side(server, config, api_key, work, levels, in_process, progress) 
 def bare_relay(url: str, levels: list[int], messages: int = 200) -> dict[int, dict]:
     """One JetStream hop through a Python relay with no stage code (tools/bench/hops.py), on
     the pipeline's own server: publish, stored, pulled by the relay, published on, received."""
-    import nats
-    import uvloop
-    from nats.js.api import StreamConfig
-
     from tools.bench import hops
 
-    async def create_stream() -> None:
-        nc = await nats.connect(url)
-        await nc.jetstream().add_stream(StreamConfig(name=hops.STREAM, subjects=["hop.>"]))
-        await nc.close()
-
-    uvloop.run(create_stream())
+    hops.create_stream(url)
     chain = hops.run_chain(url, 1, "jetstream", levels, messages, pipelined=True)
     return {c: chain[str(c)] for c in levels}
 
