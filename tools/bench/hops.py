@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 STREAM = "HOPBENCH"
@@ -161,47 +163,40 @@ def relay_cost(rates: dict[int, float], seconds: float = 6.0) -> dict[int, dict]
     This is the path every streamed token takes from the engine through detokenize to the edge,
     so its CPU per message is what one token costs beside the engine at the least, before any
     stage's own work and before the log's archiver reads it."""
-    import uvloop
-
     from stages.runtime import natsd
 
     out: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="brigade-relay-") as tmp:
         server = natsd.start(Path(tmp))
-        relay_proc = None
         try:
             create_stream(server.url)
-            relay_proc = subprocess.Popen(
-                [sys.executable, "-m", "tools.bench.hops", "relay", server.url, "0", "jetstream"],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            if relay_proc.stdout is None or relay_proc.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"the relay process failed to start (exit {relay_proc.poll()})")
-            pids = {"relay": relay_proc.pid, "nats-server": server.pid, "client": os.getpid()}
-            for inflight, rate in rates.items():
-                messages = max(inflight * 20, int(rate * seconds) // inflight * inflight)
-                before = {name: cpu_seconds(pid) or 0.0 for name, pid in pids.items()}
-                t0 = time.monotonic()
-                lat = uvloop.run(
-                    measure(server.url, 1, "jetstream", inflight, messages, True, inflight / rate)
-                )
-                wall = time.monotonic() - t0
-                used = {n: (cpu_seconds(pid) or 0.0) - before[n] for n, pid in pids.items()}
-                out[inflight] = {
-                    "messages": len(lat),
-                    "per_second": len(lat) / wall,
-                    "cpu_ms_per_message": {n: 1e3 * s / len(lat) for n, s in used.items()},
-                    "cpu_ms_per_message_total": 1e3 * sum(used.values()) / len(lat),
-                    "p50_ms": pct(lat, 0.5),
-                    "p95_ms": pct(lat, 0.95),
-                }
+            with relay_processes(server.url, 1, "jetstream") as (relay,):
+                pids = {"relay": relay.pid, "nats-server": server.pid, "client": os.getpid()}
+                for inflight, rate in rates.items():
+                    out[inflight] = _paced_cost(server.url, pids, inflight, rate, seconds)
         finally:
-            if relay_proc is not None:
-                relay_proc.terminate()
-                relay_proc.wait(timeout=10)
             natsd.stop(server)
     return out
+
+
+def _paced_cost(url: str, pids: dict[str, int], inflight: int, rate: float, seconds: float) -> dict:
+    """One pace of relay_cost: bursts of `inflight` at `rate` messages a second for `seconds`."""
+    import uvloop
+
+    messages = max(inflight * 20, int(rate * seconds) // inflight * inflight)
+    before = {name: cpu_seconds(pid) or 0.0 for name, pid in pids.items()}
+    t0 = time.monotonic()
+    lat = uvloop.run(measure(url, 1, "jetstream", inflight, messages, True, inflight / rate))
+    wall = time.monotonic() - t0
+    used = {name: (cpu_seconds(pid) or 0.0) - before[name] for name, pid in pids.items()}
+    return {
+        "messages": len(lat),
+        "per_second": len(lat) / wall,
+        "cpu_ms_per_message": {name: 1e3 * s / len(lat) for name, s in used.items()},
+        "cpu_ms_per_message_total": 1e3 * sum(used.values()) / len(lat),
+        "p50_ms": pct(lat, 0.5),
+        "p95_ms": pct(lat, 0.95),
+    }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -214,6 +209,21 @@ def run_chain(
 ) -> dict:
     import uvloop
 
+    with relay_processes(url, relays, mode):
+        result = {}
+        for inflight in inflights:
+            lat = uvloop.run(measure(url, relays, mode, inflight, messages, pipelined))
+            result[str(inflight)] = {
+                "messages": len(lat),
+                "p50_ms": round(pct(lat, 0.5), 3),
+                "p95_ms": round(pct(lat, 0.95), 3),
+            }
+        return result
+
+
+@contextlib.contextmanager
+def relay_processes(url: str, relays: int, mode: str) -> Iterator[list[subprocess.Popen]]:
+    """`relays` relay processes (hop.i -> hop.i+1), ready; terminated on exit."""
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tools.bench.hops", "relay", url, str(i), mode],
@@ -226,15 +236,7 @@ def run_chain(
         for p in procs:
             if p.stdout is None or p.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"a relay process failed to start (exit {p.poll()})")
-        result = {}
-        for inflight in inflights:
-            lat = uvloop.run(measure(url, relays, mode, inflight, messages, pipelined))
-            result[str(inflight)] = {
-                "messages": len(lat),
-                "p50_ms": round(pct(lat, 0.5), 3),
-                "p95_ms": round(pct(lat, 0.95), 3),
-            }
-        return result
+        yield procs
     finally:
         for p in procs:
             p.terminate()

@@ -806,12 +806,8 @@ def markdown(report: dict) -> str:
             if any("floor_cpu_ms_per_token" in t for _, t in cpu):
                 lines += [
                     "",
-                    "The relay hop is the floor of the design: every streamed token is a "
-                    "`tokens` event into the log, pulled by detokenize, a `text` event into the "
-                    "log, received by the edge. Measured at each level's burst size and the "
-                    "pipeline's token rate, on a private nats-server, with no stage code, no SSE"
-                    " and no archiver; its ceiling is the engine's CPU per token over the "
-                    "engine's plus the hop's.",
+                    "The last two columns: the relay hop below (no SSE, no archiver either), "
+                    "and its ceiling, the engine's CPU per token over the engine's plus the hop's.",
                 ]
     floor = report.get("relay_floor") or {}
     if floor:
