@@ -107,27 +107,38 @@ async def _prepare_bus(config) -> None:
 
 
 async def _ready_pids(kv) -> dict[str, set[int]]:
-    """{stage: pids of its workers that beat ready} from the heartbeat bucket."""
+    """{stage: pids of its workers that beat ready} from the heartbeat bucket; none when the
+    read times out (this process's own stages importing as they start can hold its loop past
+    the read's bound: the caller asks again, within its own start bound)."""
+    import nats.errors
+
     from stages.runtime.heartbeat import beats
 
     ready: dict[str, set[int]] = {}
-    for beat in await beats(kv):
+    try:
+        found = await beats(kv)
+    except (TimeoutError, nats.errors.TimeoutError):
+        return ready
+    for beat in found:
         if beat.ready:
             ready.setdefault(beat.stage, set()).add(beat.pid)
     return ready
 
 
-async def _wait_ready(progress: Progress, kv, key: str, pid: int, stop, proc=None) -> bool:
+async def _wait_ready(
+    progress: Progress, kv, key: str, pid: int, stop, proc=None, launched: float | None = None
+) -> bool:
     """Until stage `key` (or `engine@<model>`) beats ready from process `pid` (True), or `stop`
     is set (False); raises RuntimeError when the child `proc` exits first or takes
-    CHILD_START_TIMEOUT_S."""
+    CHILD_START_TIMEOUT_S from `launched` (default: now)."""
     import anyio
 
     name, model = split_key(key)
     what = f"starting {name}"
     if name == "engine":
         what = f"engine: loading {model or models.default().id}"
-    started = progress.begin(what)
+    began = progress.begin(what)
+    started = began if launched is None else launched
     while not stop.is_set():
         if pid in (await _ready_pids(kv)).get(name, set()):
             progress.end(started, "done" if proc is None else f"done, pid {pid}")
@@ -155,8 +166,8 @@ async def _stop_on_signals(stop) -> None:
 
 
 async def _serve(plan: Plan, config, progress: Progress, log_level: str, procs: bool) -> int:
-    """Start the children (one after the other, each ready before the next), then the stages
-    of this process; print "up" once every one beats ready; supervise until a signal; stop
+    """Start the children and the stages of this process all at once; print "up" once every
+    one beats ready (a line for each, in order); supervise until a signal; stop
     everything within BRIGADE_SHUTDOWN_TIMEOUT_S of it."""
     import anyio
 
@@ -222,11 +233,11 @@ async def _run_stages(plan, config, progress, kv, children, own, here, stop, shu
     from tools.supervise import ProcessSupervisor, supervise_task
 
     supervisor = ProcessSupervisor(children)
-    for name in own:
-        proc = children.start(name)
+    launched = time.monotonic()
+    procs = {}
+    for name in own:  # all at once: the light stages start while the engine loads its model
+        procs[name] = children.start(name)
         supervisor.started(name)
-        if not await _wait_ready(progress, kv, name, proc.pid, stop, proc):
-            return 130
     async with anyio.create_task_group() as stages:
         for name in here:
 
@@ -234,21 +245,30 @@ async def _run_stages(plan, config, progress, kv, children, own, here, stop, shu
                 await serve_stage(n, config=config, stop=stop, handle_signals=False)
 
             stages.start_soon(supervise_task, name, serve_once, stop)
-        code = 0
-        for name in here:
-            if not await _wait_ready(progress, kv, name, os.getpid(), stop):
-                code = 130
-                break
-        else:
-            _banner(plan)
-        while not stop.is_set():
+        code, failure = 0, None
+        waits = [(name, procs[name].pid, procs[name]) for name in own]
+        waits += [(name, os.getpid(), None) for name in here]
+        try:
+            for name, pid, proc in waits:  # each line: how long after the launch it was ready
+                if not await _wait_ready(progress, kv, name, pid, stop, proc, launched):
+                    code = 130
+                    break
+            else:
+                _banner(plan)
+        except RuntimeError as err:  # a child that died or hung while starting: stop the rest
+            failure = err
+            stages.cancel_scope.cancel()
+        while failure is None and not stop.is_set():
             supervisor.poll()
             with anyio.move_on_after(0.5):
                 await stop.wait()
-        print("\nstopping: finishing in-flight work ...", file=sys.stderr)
-        shutdown.begin()
-        children.terminate()  # the children drain beside this process's stages
-        stages.cancel_scope.deadline = anyio.current_time() + shutdown.remaining_s()
+        if failure is None:
+            print("\nstopping: finishing in-flight work ...", file=sys.stderr)
+            shutdown.begin()
+            children.terminate()  # the children drain beside this process's stages
+            stages.cancel_scope.deadline = anyio.current_time() + shutdown.remaining_s()
+    if failure is not None:
+        raise failure
     return code
 
 

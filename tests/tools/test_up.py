@@ -117,6 +117,44 @@ def test_a_sigkilled_stage_process_comes_back_and_serves(
     assert b"NATS stopped" not in log_path.read_bytes()  # an external NATS is not ours to stop
 
 
+def _processes_with_env(needle: str) -> list[int]:
+    """Pids of this user's processes whose environment holds `needle`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:  # gone, or not ours
+                continue
+    return found
+
+
+def test_a_child_that_dies_while_the_others_start_stops_them_all(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Every stage starts at once: the engine child, whose model is not a GGUF file, exits
+    while gateway, auth and detokenize start in `up` itself. `up` names the stage, exits 1
+    and leaves no process behind."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model" * 100)
+    proc, log_path = _start_up(tmp_path, nats_server.url, "gateway,auth,engine,detokenize",
+                               "--model", f"bad={bad}")  # fmt: skip
+    try:
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = log_path.read_text()
+    assert proc.returncode == 1, log[-3000:]
+    assert "brigade up: stage engine exited with code 1" in log
+    assert "is not a GGUF file" in log and "Brigade is up" not in log
+    deadline = time.monotonic() + 10.0  # the children die with `up` (PDEATHSIG)
+    while (left := _processes_with_env(str(tmp_path / "data"))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == []
+
+
 def test_a_stage_that_ignores_sigterm_is_killed_within_the_shutdown_bound(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
