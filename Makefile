@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/brigade up
 
+# Two workers by default (the CI machine's cores); TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

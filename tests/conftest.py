@@ -1,9 +1,18 @@
 """Shared fixtures: a real nats-server on random loopback ports, stopped by its own pid."""
+# ruff: noqa: E402 - the thread count is set before anything imports torch
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
+
+# `make test` runs pytest-xdist workers side by side: each worker's torch, and the stage
+# processes its tests start, get an equal share of the cores, or OpenMP's threads of both
+# workers fight over them (a 2-core machine ran the suite 10 % slower oversubscribed).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 import pytest
 
