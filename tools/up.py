@@ -20,6 +20,7 @@ from tools.stage_procs import StageProcesses, child_key, split_key
 # and the recorders' file work is off the request's path (they run at low CPU priority).
 CHILD_STAGES = ("engine", "ledger", "archiver", "ingest")
 CHILD_START_TIMEOUT_S = 600.0
+MODEL_STAGES = {"tokenize", "engine", "detokenize"}  # the stages that read the served models
 NATS_STOP_TIMEOUT_S = 2.0  # after the stages: nothing is left to drain, SIGKILL past it
 
 
@@ -272,6 +273,20 @@ async def _run_stages(plan, config, progress, kv, children, own, here, stop, shu
     return code
 
 
+def _unloadable(served) -> str | None:
+    """What is wrong with the first served model whose tokenizer cannot be read (a missing
+    path, not a GGUF file, an incomplete Hugging Face directory), before any stage starts:
+    else every stage that reads it, started at once, would fail with the same traceback."""
+    from stages.tokenize import tokenizer_for
+
+    for model in served:
+        try:
+            tokenizer_for(model.artifact)
+        except (OSError, ValueError, KeyError) as err:
+            return f"model {model.id}: {err}"
+    return None
+
+
 def _banner(plan: Plan) -> None:
     lines = [f"Brigade is up: {len(plan.stages)} stages on {plan.url}"]
     if "edge" in plan.stages:
@@ -309,6 +324,9 @@ def run(args) -> int:
     if len(served) > 1:
         print(f"  models: {', '.join(m.id for m in served)} (default {served[0].id})",
               file=sys.stderr)  # fmt: skip
+    if set(stages) & MODEL_STAGES and (refused := _unloadable(served)):
+        print(f"brigade up: {refused}", file=sys.stderr)
+        return 2
     progress = Progress()
     url = args.nats_url or ",".join(settings.NATS_URL.get())
     server = None

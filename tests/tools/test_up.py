@@ -130,16 +130,32 @@ def _processes_with_env(needle: str) -> list[int]:
     return found
 
 
+def test_a_model_that_cannot_be_read_is_refused_before_anything_starts(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model" * 100)
+    proc, log_path = _start_up(tmp_path, nats_server.url, "gateway,engine,detokenize",
+                               "--model", f"bad={bad}")  # fmt: skip
+    assert proc.wait(timeout=60) == 2
+    log = log_path.read_text()
+    assert log.startswith(f"brigade up: model bad: '{bad}' is not a GGUF file"), log
+    assert "Traceback" not in log and "starting" not in log
+
+
 def test_a_child_that_dies_while_the_others_start_stops_them_all(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    """Every stage starts at once: the engine child, whose model is not a GGUF file, exits
-    while gateway, auth and detokenize start in `up` itself. `up` names the stage, exits 1
-    and leaves no process behind."""
-    bad = tmp_path / "bad.gguf"
-    bad.write_bytes(b"not a model" * 100)
+    """Every stage starts at once: the engine child, whose model has a tokenizer but weights
+    that are not safetensors, exits while gateway, auth and detokenize start in `up` itself.
+    `up` names the stage, exits 1 and leaves no process behind."""
+    from tests.engine.tiny_llama import write_tiny_llama_with_tokenizer
+
+    tiny = write_tiny_llama_with_tokenizer(tmp_path / "tiny-llama", "smollm2-135m")
+    for weights in tiny.glob("*.safetensors"):
+        weights.write_bytes(b"not safetensors" * 100)
     proc, log_path = _start_up(tmp_path, nats_server.url, "gateway,auth,engine,detokenize",
-                               "--model", f"bad={bad}")  # fmt: skip
+                               "--model", f"tiny={tiny}")  # fmt: skip
     try:
         proc.wait(timeout=120)
     finally:
@@ -148,7 +164,7 @@ def test_a_child_that_dies_while_the_others_start_stops_them_all(
     log = log_path.read_text()
     assert proc.returncode == 1, log[-3000:]
     assert "brigade up: stage engine exited with code 1" in log
-    assert "is not a GGUF file" in log and "Brigade is up" not in log
+    assert "Brigade is up" not in log
     deadline = time.monotonic() + 10.0  # the children die with `up` (PDEATHSIG)
     while (left := _processes_with_env(str(tmp_path / "data"))) and time.monotonic() < deadline:
         time.sleep(0.1)
