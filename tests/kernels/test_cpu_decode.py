@@ -15,6 +15,8 @@ sums differ in order, are held to the fp32 bound plus one fp16 step.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -306,29 +308,36 @@ def test_items_taken_or_redone_by_any_thread_change_no_bit(model, monkeypatch, r
 
 def test_its_counters_count_calls_threads_and_the_work_waited_for(model):
     """One call at 2 threads counts one call and two threads' regions, and the model reports
-    the same counters the engine puts in its stats. At 8 threads on this machine's cores some
-    thread is preempted mid-item, so others wait for it; whatever was computed twice is
-    counted, never more than the step's items."""
+    the same counters the engine puts in its stats. At 8 threads (4 a core on a bigger
+    machine) a thread is now and then preempted mid-item, so others wait for it (calls are repeated until
+    one has; a call or two usually does); whatever was computed twice is counted, never more
+    than the step's items."""
     ids, positions, attn = step(CASES["thirty-two rows"])
     d, kvh = model.config.head_dim, model.config.num_kv_heads
     before = torch.get_num_threads()
+    many = max(8, 4 * len(os.sched_getaffinity(0)))
     deltas = {}
     try:
-        for threads in (2, 8):
+        for threads in (2, many):
             torch.set_num_threads(threads)
             first = model.decode_counters()
-            model(ids, positions, random_caches(1, d, kvh), attn)
+            for _ in range(1 if threads == 2 else 200):
+                model(ids, positions, random_caches(1, d, kvh), attn)
+                if (model.decode_counters() - first).num_waits > 0:
+                    break
             deltas[threads] = model.decode_counters() - first
     finally:
         torch.set_num_threads(before)
-    two, eight = deltas[2], deltas[8]
+    two, oversubscribed = deltas[2], deltas[many]
+    calls = oversubscribed.num_calls
     assert (two.num_calls, two.num_thread_calls) == (1, 2)
-    assert (eight.num_calls, eight.num_thread_calls) == (1, 8)
-    assert eight.num_waits > 0 and eight.wait_ns > 0
+    assert 1 <= calls <= 200 and oversubscribed.num_thread_calls == many * calls
+    assert oversubscribed.num_waits > 0 and oversubscribed.wait_ns > 0
     phases = model.config.num_layers * 9
-    assert two.num_waits <= 2 * phases and eight.num_waits <= 8 * phases
+    assert two.num_waits <= 2 * phases and oversubscribed.num_waits <= many * phases * calls
     rows = 32  # the step's items at most: every phase's items, each computed by every thread
-    assert 0 <= eight.num_dropped <= 7 * phases * rows * model.config.num_heads
+    bound = (many - 1) * phases * rows * model.config.num_heads * calls
+    assert 0 <= oversubscribed.num_dropped <= bound
 
 
 def test_a_row_sums_the_same_whichever_many_rows_share_its_step(model):
