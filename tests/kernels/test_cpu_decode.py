@@ -16,6 +16,7 @@ sums differ in order, are held to the fp32 bound plus one fp16 step.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -309,9 +310,11 @@ def test_items_taken_or_redone_by_any_thread_change_no_bit(model, monkeypatch, r
 def test_its_counters_count_calls_threads_and_the_work_waited_for(model):
     """One call at 2 threads counts one call and two threads' regions, and the model reports
     the same counters the engine puts in its stats. At 8 threads (4 a core on a bigger
-    machine) a thread is now and then preempted mid-item, so others wait for it (calls are repeated until
-    one has; a call or two usually does); whatever was computed twice is counted, never more
-    than the step's items."""
+    machine) a thread is now and then preempted mid-item, so others wait for it. Calls are
+    repeated until one has, for up to 10 s: a call or two usually does, but while another
+    process holds one of two cores the region's first thread can take every item before the
+    rest wake, call after call. Whatever was computed twice is counted, never more than the
+    step's items."""
     ids, positions, attn = step(CASES["thirty-two rows"])
     d, kvh = model.config.head_dim, model.config.num_kv_heads
     before = torch.get_num_threads()
@@ -321,9 +324,11 @@ def test_its_counters_count_calls_threads_and_the_work_waited_for(model):
         for threads in (2, many):
             torch.set_num_threads(threads)
             first = model.decode_counters()
-            for _ in range(1 if threads == 2 else 200):
+            give_up = time.monotonic() + (0 if threads == 2 else 10.0)
+            while True:
                 model(ids, positions, random_caches(1, d, kvh), attn)
-                if (model.decode_counters() - first).num_waits > 0:
+                waited = (model.decode_counters() - first).num_waits > 0
+                if waited or time.monotonic() > give_up:
                     break
             deltas[threads] = model.decode_counters() - first
     finally:
@@ -331,7 +336,7 @@ def test_its_counters_count_calls_threads_and_the_work_waited_for(model):
     two, oversubscribed = deltas[2], deltas[many]
     calls = oversubscribed.num_calls
     assert (two.num_calls, two.num_thread_calls) == (1, 2)
-    assert 1 <= calls <= 200 and oversubscribed.num_thread_calls == many * calls
+    assert calls >= 1 and oversubscribed.num_thread_calls == many * calls
     assert oversubscribed.num_waits > 0 and oversubscribed.wait_ns > 0
     phases = model.config.num_layers * 9
     assert two.num_waits <= 2 * phases and oversubscribed.num_waits <= many * phases * calls
