@@ -127,33 +127,32 @@ async def _ready_pids(kv) -> dict[str, set[int]]:
 
 
 async def _wait_ready(
-    progress: Progress, kv, key: str, pid: int, stop, proc=None, launched: float | None = None
+    progress: Progress, kv, key: str, pid: int, stop, proc, launched: float
 ) -> bool:
     """Until stage `key` (or `engine@<model>`) beats ready from process `pid` (True), or `stop`
-    is set (False); raises RuntimeError when the child `proc` exits first or takes
-    CHILD_START_TIMEOUT_S from `launched` (default: now)."""
+    is set (False); raises RuntimeError when the child `proc` (None: a stage of this process)
+    exits first or takes CHILD_START_TIMEOUT_S from `launched`."""
     import anyio
 
     name, model = split_key(key)
     what = f"starting {name}"
     if name == "engine":
         what = f"engine: loading {model or models.default().id}"
-    began = progress.begin(what)
-    started = began if launched is None else launched
+    progress.begin(what)
     while not stop.is_set():
         if pid in (await _ready_pids(kv)).get(name, set()):
-            progress.end(started, "done" if proc is None else f"done, pid {pid}")
+            progress.end(launched, "done" if proc is None else f"done, pid {pid}")
             return True
         if proc is not None and proc.poll() is not None:
-            progress.end(started, f"exited with code {proc.returncode}")
+            progress.end(launched, f"exited with code {proc.returncode}")
             raise RuntimeError(f"stage {name} exited with code {proc.returncode}")
-        if time.monotonic() - started > CHILD_START_TIMEOUT_S:
-            progress.end(started, "timed out")
+        if time.monotonic() - launched > CHILD_START_TIMEOUT_S:
+            progress.end(launched, "timed out")
             raise RuntimeError(f"stage {name} was not ready within {CHILD_START_TIMEOUT_S:.0f} s")
-        progress.tick(started)
+        progress.tick(launched)
         with anyio.move_on_after(0.2):
             await stop.wait()
-    progress.end(started, "interrupted")
+    progress.end(launched, "interrupted")
     return False
 
 
@@ -259,16 +258,16 @@ async def _run_stages(plan, config, progress, kv, children, own, here, stop, shu
         except RuntimeError as err:  # a child that died or hung while starting: stop the rest
             failure = err
             stages.cancel_scope.cancel()
-        while failure is None and not stop.is_set():
-            supervisor.poll()
-            with anyio.move_on_after(0.5):
-                await stop.wait()
-        if failure is None:
+        else:
+            while not stop.is_set():
+                supervisor.poll()
+                with anyio.move_on_after(0.5):
+                    await stop.wait()
             print("\nstopping: finishing in-flight work ...", file=sys.stderr)
             shutdown.begin()
             children.terminate()  # the children drain beside this process's stages
             stages.cancel_scope.deadline = anyio.current_time() + shutdown.remaining_s()
-    if failure is not None:
+    if failure is not None:  # raised here, out of the task group: _serve reports it
         raise failure
     return code
 

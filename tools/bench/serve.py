@@ -36,7 +36,7 @@ from pathlib import Path
 from schemas import settings
 from stages.runtime import natsd
 from stages.runtime.natsd import die_with_parent
-from tools.bench.hops import cpu_seconds
+from tools.bench.hops import cpu_seconds, relay_cost
 from tools.bench.loadgen import Sample, SseTarget, run_load
 from tools.bench.measure import percentiles
 from tools.bench.workload import WorkItem
@@ -585,12 +585,10 @@ def run(args: argparse.Namespace) -> int:
     floor: dict[int, dict] = {}
     pipe = results.get("pipeline", {})
     if not args.no_floor and pipe:
-        from tools.bench import hops
-
         progress(
             "the floor: one JetStream hop through a relay, no stage code, at each level's pace"
         )
-        floor = hops.relay_cost({c: pipe[c]["aggregate_tps"] for c in levels if c in pipe})
+        floor = relay_cost({c: pipe[c]["aggregate_tps"] for c in levels if c in pipe})
     if "llama-server" in sides:
         binary = llama_server_binary(args.llama_cpp_dir)
         if isinstance(binary, str):
